@@ -1,0 +1,1 @@
+"""Triton kernels, one per file, each beside the plain-torch reference that is the CPU path and test oracle."""

@@ -1,0 +1,49 @@
+"""Attention over the paged KV cache for a flat batch: metadata and backend dispatch.
+
+On CUDA the Triton kernels run; elsewhere their plain-torch references do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtpserve.kernels.paged_attention_ref import paged_attention_ref
+from mtpserve.kernels.store_kv_ref import store_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's queries sit in the flat batch and where its KV lives (one KV group)."""
+
+    query_start_loc: torch.Tensor  # [R+1] int32
+    seq_lens: torch.Tensor  # [R] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class LayerKV:
+    """One attention layer's K and V pools, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Write this step's K/V ([T, Hkv, D]) into the pool, then attend with q ([T, H, D]) -> [T, H, D]."""
+    if q.is_cuda:
+        from mtpserve.kernels.paged_attention import paged_attention
+        from mtpserve.kernels.store_kv import store_kv
+    else:
+        paged_attention, store_kv = paged_attention_ref, store_kv_ref
+    store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
+    return paged_attention(
+        q, kv.k, kv.v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.max_query_len, meta.max_seq_len, scale,
+    )

@@ -1,0 +1,1 @@
+"""Model code: the target decoder, the MTP modules, and checkpoint loading."""

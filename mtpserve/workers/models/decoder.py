@@ -1,0 +1,36 @@
+"""The target model: a Llama / Qwen2 / Qwen3 decoder over flat batches with a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtpserve.workers.attention import AttentionMetadata, LayerKV
+from mtpserve.workers.models.config import ModelConfig
+from mtpserve.workers.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: list[LayerKV]
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states before the final norm, [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, layer_kv in zip(self.layers, kv):
+            x = layer(x, positions, meta, layer_kv)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden rows [n, hidden] -> fp32 logits [n, vocab]."""
+        return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,124 @@
+"""Building blocks of the Llama / Qwen2 / Qwen3 decoder over flat batches.
+
+Every module works on flat token rows [T, hidden]; attention goes through the paged KV cache.
+Linears are plain nn.Linear (q/k/v and gate/up fused) so that tensor parallelism can be applied
+afterwards as a separate pass over the unsharded model (mtpserve/workers/tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpserve.workers.attention import AttentionMetadata, LayerKV, attend
+from mtpserve.workers.models.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.kind == "llama3":
+        # Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
+        # and the band between is interpolated smoothly.
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (NeoX) RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_position = rope, head_dim, max_position
+        self.register_buffer("cos", torch.empty(max_position, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(max_position, head_dim // 2, dtype=torch.float32), persistent=False)
+        if not self.cos.is_meta:
+            self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Fill the cos/sin tables (again after the module was built on the meta device)."""
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(self.cos.device)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device=self.cos.device), inv_freq)
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D], positions: [T] -> rotated x."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = attend(q, k, v, kv, meta, self.scale)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,135 @@
+"""Load a Hugging Face-layout checkpoint (config.json + *.safetensors) into the target and MTP models.
+
+Every tensor name and shape is checked against the architecture's map before a single byte is
+copied, so a bad checkpoint fails with an error naming the tensor and nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from mtpserve.errors import CheckpointError
+from mtpserve.workers.models.config import ModelConfig
+from mtpserve.workers.models.decoder import TargetModel
+from mtpserve.workers.models.mtp import MTPStack
+from mtpserve.workers.models.weight_names import WeightSpec, mtp_specs, target_specs
+
+# Tensors some exporters write that carry no weights we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    target: TargetModel
+    mtp: MTPStack
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+    cfg = ModelConfig.from_dir(path)
+    index = _tensor_index(path)
+    specs = target_specs(cfg) + mtp_specs(cfg)
+    _check(cfg, specs, index)
+    present = [s for s in specs if s.ckpt_name in index]
+    with torch.device("meta"), _default_dtype(dtype):
+        target = TargetModel(cfg)
+        mtp = MTPStack(cfg, target.rotary)
+        _add_module_copies(cfg, mtp, present)
+    target.to_empty(device=device)
+    mtp.to_empty(device=device)
+    target.rotary.reset()
+    if cfg.tie_word_embeddings:
+        target.lm_head.weight = target.embed_tokens.weight
+    _copy_weights(path, index, present, {**_params(target, ""), **_params(mtp, "")})
+    return LoadedModel(cfg, target.eval(), mtp.eval())
+
+
+def _tensor_index(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (file, shape), read from the safetensors headers without loading data."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in checkpoint directory {path}")
+    index: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise CheckpointError(f"model.safetensors.index.json names {name}, which is not in {path}")
+        with safe_open(path / name, framework="pt") as f:
+            for key in f.keys():
+                index[key] = (name, tuple(f.get_slice(key).get_shape()))
+    return index
+
+
+def _check(cfg: ModelConfig, specs: list[WeightSpec], index: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    expected = {s.ckpt_name for s in specs}
+    problems = []
+    for spec in specs:
+        if spec.ckpt_name not in index:
+            if not spec.optional:
+                problems.append(f"missing tensor {spec.ckpt_name} (expected shape {list(spec.shape)})")
+        elif index[spec.ckpt_name][1] != spec.shape:
+            actual = list(index[spec.ckpt_name][1])
+            problems.append(f"tensor {spec.ckpt_name} has shape {actual}, expected {list(spec.shape)}")
+    tied_head = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    for name in sorted(set(index) - expected - tied_head):
+        if not name.endswith(_IGNORED_SUFFIXES):
+            problems.append(f"unexpected tensor {name} with shape {list(index[name][1])}")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(problems[:5]) + more)
+
+
+def _add_module_copies(cfg: ModelConfig, mtp: MTPStack, present: list[WeightSpec]) -> None:
+    names = {s.param for s in present}
+    for k, module in enumerate(mtp.mtp):
+        if f"mtp.{k}.embed_tokens.weight" in names:
+            module.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if f"mtp.{k}.head.weight" in names:
+            module.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+def _params(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    return {prefix + name: p for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+@torch.no_grad()
+def _copy_weights(
+    path: Path,
+    index: dict[str, tuple[str, tuple[int, ...]]],
+    specs: list[WeightSpec],
+    params: dict[str, torch.Tensor],
+) -> None:
+    by_file: dict[str, list[WeightSpec]] = {}
+    for spec in specs:
+        by_file.setdefault(index[spec.ckpt_name][0], []).append(spec)
+    for name, file_specs in by_file.items():
+        with safe_open(path / name, framework="pt") as f:
+            for spec in file_specs:
+                dst = params[spec.param]
+                if spec.row_offset is not None:
+                    dst = dst.narrow(0, spec.row_offset, spec.shape[0])
+                dst.copy_(f.get_tensor(spec.ckpt_name))
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
