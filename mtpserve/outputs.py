@@ -19,6 +19,12 @@ class RequestOutput:
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts per verification step
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step (streaming)
     new_text: str = ""  # text added by the last step (streaming)
+    new_logprobs: CompletionLogprobs | None = None  # logprobs of new_token_ids (streaming)
+    # Wall-clock times (time.monotonic) for latency metrics: queue time, TTFT, end to end.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
