@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 from mtpserve.workers.attention import AttentionMetadata, LayerKV
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -14,7 +15,8 @@ class TargetModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        # Slack past max_position: the drafter writes a few positions beyond the last verified one.
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position + 2 * MAX_SPECULATIVE_TOKENS)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -1,0 +1,1 @@
+"""Control plane: engine, scheduler, KV block accounting, gRPC router, metrics, placement and CLI."""

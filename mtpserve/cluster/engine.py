@@ -1,0 +1,137 @@
+"""The step-driven engine: add requests, step (schedule -> execute -> postprocess), abort, read outputs.
+
+`LLM` wraps it for offline use and the gRPC router drives it for serving. Execution sits behind an
+executor with one method, `execute(plan) -> result`: the in-process ModelRunner here, Ray workers
+when the model is sharded or the drafter has GPUs of its own.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Protocol
+
+from mtpserve.cluster.block_manager import KVBlockManager
+from mtpserve.cluster.engine_config import EngineConfig, ResolvedConfig
+from mtpserve.cluster.output_processor import OutputProcessor
+from mtpserve.cluster.request import Request
+from mtpserve.cluster.scheduler import Scheduler, SchedulerConfig
+from mtpserve.cluster.stats import SpecCounters, StepStats
+from mtpserve.cluster.tokenizer import Tokenizer
+from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.errors import InvalidRequestError
+from mtpserve.outputs import RequestOutput
+from mtpserve.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.resolved = ResolvedConfig.resolve(config)
+        r = self.resolved
+        self.model_config = r.model_config
+        self.tokenizer = Tokenizer.from_checkpoint(r.model_path)
+        self.executor = executor or r.make_executor()
+        self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, r.num_mtp_modules, config.mtp_chain),
+            self.blocks,
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.spec = SpecCounters()
+        self.last_stats = StepStats()
+        self._aborted: list[RequestOutput] = []
+        self._rng = random.Random(config.seed)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises InvalidRequestError naming the offending field."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"a request with id {request_id!r} is already running")
+        token_ids = self._tokenize(prompt)
+        r = self.resolved
+        if params.max_tokens > r.max_model_len - len(token_ids):
+            raise InvalidRequestError("max_tokens", f"{params.max_tokens} new tokens after a prompt of "
+                                      f"{len(token_ids)} exceed the context of {r.max_model_len}")
+        num_spec = r.default_num_spec if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if num_spec > 0 and r.num_mtp_modules == 0:
+            raise InvalidRequestError("num_speculative_tokens", "this model has no MTP modules to draft with")
+        req = Request(
+            request_id, token_ids, len(token_ids), params, num_spec,
+            params.seed if params.seed is not None else self._rng.getrandbits(63),
+            () if params.ignore_eos else r.eos_token_ids, r.max_model_len, arrival_time or time.monotonic(),
+        )
+        self.scheduler.add(req)
+        self.outputs.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a waiting or running request; its KV is freed now and the workers drop it next step."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+            self._aborted.append(self.outputs.finish(req))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        stats = StepStats(schedule_seconds=time.perf_counter() - t0, num_prompt_tokens=self._prompt_tokens(plan))
+        result = self.executor.execute(plan) if plan.req_ids or plan.freed_ids else StepResult()
+        return self._postprocess(plan, result, stats)
+
+    def _postprocess(self, plan: StepPlan, result: StepResult, stats: StepStats) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        step_spec = SpecCounters()
+        drafts = dict(zip(plan.req_ids, plan.num_drafts))
+        logprobs = dict(zip(result.req_ids, result.logprobs or [None] * len(result.req_ids)))
+        for (req, tokens), accepted in zip(self.scheduler.update(plan, result), result.num_accepted):
+            step_spec.record(drafts[req.request_id], accepted)
+            out = self.outputs.process(req, tokens, logprobs[req.request_id])
+            if req.finish_reason:
+                self.scheduler.finish(req, req.finish_reason)
+                out = self.outputs.finish(req)
+            outputs.append(out)
+        self.spec.add(step_spec)
+        stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        stats.kv_usage, stats.batch_size = self.blocks.usage(), len(plan.req_ids)
+        stats.num_generation_tokens = sum(len(o.new_token_ids) for o in outputs)
+        stats.num_preemptions, stats.spec = self.scheduler.num_preemptions, step_spec
+        stats.target_seconds, stats.draft_seconds = result.target_seconds, result.draft_seconds
+        self.last_stats = stats
+        return outputs
+
+    def _prompt_tokens(self, plan: StepPlan) -> int:
+        """Prompt tokens this plan computes (recomputation after preemption counts again)."""
+        reqs = (self.scheduler.requests[r] for r in plan.req_ids)
+        return sum(max(0, min(r.num_computed + n, r.num_prompt_tokens) - r.num_computed)
+                   for r, n in zip(reqs, plan.num_tokens))
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this checkpoint has no tokenizer.json: send token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.resolved.max_model_len:
+            raise InvalidRequestError("prompt", f"the prompt has {len(token_ids)} tokens; the context is "
+                                      f"{self.resolved.max_model_len}")
+        return token_ids
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

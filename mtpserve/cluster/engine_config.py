@@ -1,0 +1,125 @@
+"""Engine configuration: what the user sets (EngineConfig) and what follows from it (ResolvedConfig)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtpserve.errors import CheckpointError
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
+from mtpserve.workers.chain import CHAIN_MODES
+from mtpserve.workers.kv_cache import bytes_per_block
+from mtpserve.workers.models.config import ModelConfig
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None = the embedded default model
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    num_speculative_tokens: int | None = None  # default per request; None = one per MTP module
+    mtp_chain: str = "depth"  # "depth" (DeepSeek style, recursive past the last module) or "recursive" (EAGLE)
+    draft_top_m: int = 32
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # per KV group; None = sized from memory
+    kv_cache_memory_gb: float = 1.0  # CPU: memory for all KV groups together
+    gpu_memory_utilization: float = 0.85  # CUDA: fraction of GPU memory for weights + KV
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    drafter_devices: int = 0  # 0 = drafter colocated with target rank 0
+    use_ray: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mtp_chain not in CHAIN_MODES:
+            raise ValueError(f"mtp_chain: must be one of {CHAIN_MODES}, got {self.mtp_chain!r}")
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_m", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    config: EngineConfig
+    model_path: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    num_mtp_modules: int  # KV groups for MTP modules in use
+    default_num_spec: int
+    max_model_len: int
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+    @staticmethod
+    def resolve(config: EngineConfig) -> "ResolvedConfig":
+        path = Path(config.model) if config.model else DEFAULT_MODEL_DIR
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+        cfg = ModelConfig.from_dir(path)
+        device = torch.device(config.device if config.device != "auto" else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _dtype(config.dtype, device)
+        modules = cfg.mtp.num_modules if config.mtp_chain == "depth" else min(cfg.mtp.num_modules, 1)
+        default_spec = config.num_speculative_tokens
+        if default_spec is None:
+            default_spec = min(cfg.mtp.num_modules, MAX_SPECULATIVE_TOKENS)
+        max_len = config.max_model_len or cfg.max_position
+        if max_len > cfg.max_position:
+            raise ValueError(f"max_model_len: {max_len} exceeds the model's {cfg.max_position} positions")
+        return ResolvedConfig(
+            config, path, cfg, device, dtype, modules, default_spec, max_len,
+            _num_blocks(config, cfg, path, modules, max_len, dtype, device), _eos_ids(path, cfg),
+        )
+
+    def make_executor(self):
+        if self.config.use_ray or self.config.tensor_parallel_size > 1 or self.config.drafter_devices > 0:
+            from mtpserve.cluster.ray_executor import RayExecutor
+
+            return RayExecutor(self)
+        from mtpserve.workers.local_executor import LocalExecutor
+
+        return LocalExecutor(self)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype: must be one of {sorted(table)} or 'auto', got {name!r}")
+    return table[name]
+
+
+def _num_blocks(config: EngineConfig, cfg: ModelConfig, path: Path, modules: int, max_len: int,
+                dtype: torch.dtype, device: torch.device) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(cfg, config.block_size, modules, dtype) // config.tensor_parallel_size
+    # Never more than every running request at full length needs (plus draft slack).
+    enough = config.max_num_seqs * -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // config.block_size)
+    if device.type == "cuda":
+        weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) // config.tensor_parallel_size
+        budget = torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization - weights
+        budget -= 2 * 1024**3  # activations, logits and the allocator's slack
+    else:
+        budget = config.kv_cache_memory_gb * 1024**3
+    return max(1, min(enough, int(budget // per_block)))
+
+
+def _eos_ids(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else list(value or [])
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,62 @@
+"""Router-side state of one request: its tokens, progress and finish condition."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mtpserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt + verified output
+    num_prompt_tokens: int
+    params: SamplingParams
+    num_spec: int
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    arrival_time: float
+    status: Status = Status.WAITING
+    num_computed: int = 0  # target KV positions committed
+    num_drafts: int = 0  # drafts the workers hold for the next verification
+    finish_reason: str | None = None
+    accepted_per_step: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def tokens_left(self) -> int:
+        """How many more tokens this request may still produce."""
+        return min(self.params.max_tokens - self.num_output_tokens, self.max_model_len - len(self.token_ids))
+
+    def append_verified(self, tokens: list[int]) -> int:
+        """Append sampled tokens up to the first stop condition; returns how many were kept."""
+        params = self.params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        for i, token in enumerate(tokens):
+            self.token_ids.append(token)
+            if token in stops:
+                self.finish_reason = "stop"
+            elif self.tokens_left <= 0:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                return i + 1
+        return len(tokens)

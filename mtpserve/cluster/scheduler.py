@@ -1,0 +1,161 @@
+"""Continuous-batching scheduler: chunked prefill under a token budget, speculative verify windows,
+KV blocks for every group, and preemption (by recomputation) of the newest running request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from mtpserve.cluster.block_manager import KVBlockManager
+from mtpserve.cluster.request import Request, Status
+from mtpserve.cluster.types import NewRequest, StepPlan, StepResult
+from mtpserve.workers.chain import extra_positions
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_mtp_modules: int
+    chain_mode: str
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._freed: list[str] = []  # workers drop these at the next step
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Finish (or abort) a request: release its blocks now; workers drop it next step."""
+        if req.status == Status.FINISHED:
+            return
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self._freed.append(req.request_id)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self.blocks.free(req.request_id)
+        req.status, req.finish_reason = Status.FINISHED, req.finish_reason or reason
+        del self.requests[req.request_id]
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(freed_ids=self._freed)
+        self._freed = []
+        budget = self.config.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n, d = self._chunk(req, budget)
+            new_blocks = self._grow(req, n, d, plan)
+            if new_blocks is None:
+                break  # `req` itself was the newest and got preempted
+            self._add_to_plan(plan, req, n, d, new_blocks)
+            budget -= n + d
+            i += 1
+        # After a preemption, admitting new work would only evict it again.
+        preempted = self.num_preemptions > preemptions_before
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            n, d = self._chunk(req, budget)
+            if self.blocks.allocate(req.request_id, self._slots(req, n, d), keep_watermark=True) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = Status.RUNNING
+            plan.new_requests.append(self._new_request(req))
+            self._add_to_plan(plan, req, n, d, [[] for _ in self.blocks.pools])
+            budget -= n + d
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
+        """Advance the scheduled requests; returns (request, newly kept tokens) for those that sampled."""
+        for req_id, n in zip(plan.req_ids, plan.num_tokens):
+            self.requests[req_id].num_computed += n
+        drafts = dict(zip(plan.req_ids, plan.num_drafts))
+        advanced = []
+        for req_id, tokens, accepted in zip(result.req_ids, result.token_ids, result.num_accepted):
+            req = self.requests[req_id]
+            kept = req.append_verified(tokens)
+            # The last token is sampled but not yet fed to the target: it is input to the next step.
+            req.num_computed = len(req.token_ids) - 1
+            req.num_drafts = req.num_spec
+            if drafts[req_id] > 0:
+                req.accepted_per_step.append(accepted)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            advanced.append((req, tokens[:kept]))
+            if req.finish_reason:
+                self.finish(req, req.finish_reason)
+        return advanced
+
+    def _chunk(self, req: Request, budget: int) -> tuple[int, int]:
+        """Tokens to compute and drafts to verify this step, within the token budget."""
+        remaining = len(req.token_ids) - req.num_computed
+        n = min(remaining, budget)
+        if n < remaining:
+            return n, 0
+        # Drafts past what the request may still emit would only be thrown away.
+        return n, max(0, min(req.num_drafts, budget - n, req.tokens_left - 1))
+
+    def _slots(self, req: Request, n: int, d: int) -> list[int]:
+        """Positions each KV group must cover this step (DESIGN.md §5)."""
+        end = req.num_computed + n + d
+        final = req.num_computed + n == len(req.token_ids)
+        extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)
+        # A final step also drafts: module m then writes up to `extra` positions past the target's end.
+        return [end] + [(end + (e if final else 0)) if e >= 0 else 0 for e in extras]
+
+    def _grow(self, req: Request, n: int, d: int, plan: StepPlan) -> list[list[int]] | None:
+        while True:
+            new_blocks = self.blocks.allocate(req.request_id, self._slots(req, n, d))
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        plan.freed_ids.append(req.request_id)
+        req.status, req.num_computed, req.num_drafts = Status.WAITING, 0, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _new_request(self, req: Request) -> NewRequest:
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        return NewRequest(
+            request_id=req.request_id,
+            token_ids=list(req.token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            params=req.params,
+            num_spec=req.num_spec,
+            seed=req.seed,
+            block_ids=[list(b) for b in self.blocks.tables[req.request_id]],
+        )
+
+    @staticmethod
+    def _add_to_plan(plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]]) -> None:
+        plan.req_ids.append(req.request_id)
+        plan.num_tokens.append(n)
+        plan.num_drafts.append(d)
+        plan.new_block_ids.append(new_blocks)

@@ -1,0 +1,58 @@
+"""Engine statistics as plain data; the Prometheus logger (cluster/metrics.py) turns them into metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculation counters (DESIGN.md §7: per draft position)."""
+
+    num_drafts: int = 0  # verification steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+    drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_drafts):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    def add(self, other: "SpecCounters") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for j, (a, d) in enumerate(zip(other.accepted_per_position, other.drafted_per_position)):
+            self.accepted_per_position[j] += a
+            self.drafted_per_position[j] += d
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + 1)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class StepStats:
+    """One engine step, for the metrics logger."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: list[float] = field(default_factory=list)  # per KV group: target, mtp0, mtp1, ...
+    batch_size: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0  # tokens emitted this step
+    num_preemptions: int = 0
+    schedule_seconds: float = 0.0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    spec: SpecCounters = field(default_factory=SpecCounters)  # this step's speculation

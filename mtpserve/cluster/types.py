@@ -1,0 +1,49 @@
+"""Boundary dataclasses between the scheduler and the workers (DESIGN.md §2).
+
+A StepPlan carries only what changed since the last step; workers keep their own per-request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtpserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the workers have not seen (or see again after preemption, with its KV recomputed)."""
+
+    request_id: str
+    token_ids: list[int]  # every verified token: prompt plus output so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    num_spec: int  # draft tokens per step for this request
+    seed: int
+    block_ids: list[list[int]]  # per KV group: target, then MTP module 0, 1, ...
+
+
+@dataclass
+class StepPlan:
+    new_requests: list[NewRequest] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)  # scheduled requests, in batch order
+    num_tokens: list[int] = field(default_factory=list)  # verified tokens to compute per request
+    num_drafts: list[int] = field(default_factory=list)  # drafts to verify (only when reaching the frontier)
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)  # per request, per group: appended blocks
+    freed_ids: list[str] = field(default_factory=list)  # finished, aborted or preempted: drop worker state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(self.num_tokens) + sum(self.num_drafts)
+
+
+@dataclass
+class StepResult:
+    """What the workers sampled: for each request that reached its frontier, accepted drafts + one token."""
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0

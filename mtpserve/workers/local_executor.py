@@ -1,0 +1,29 @@
+"""The in-process executor: one ModelRunner in the engine's own process (tp = 1, drafter colocated)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
+from mtpserve.workers.models.loader import load_model
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine_config import ResolvedConfig
+
+
+def runner_config(r: "ResolvedConfig") -> RunnerConfig:
+    c = r.config
+    return RunnerConfig(r.num_blocks, c.block_size, c.max_num_seqs, r.num_mtp_modules, c.mtp_chain, c.draft_top_m)
+
+
+class LocalExecutor:
+    def __init__(self, resolved: "ResolvedConfig") -> None:
+        model = load_model(resolved.model_path, resolved.dtype, resolved.device)
+        self.runner = ModelRunner(model, runner_config(resolved), resolved.dtype, resolved.device)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,167 @@
+"""Executes one StepPlan: target forward over the flat batch, verification, then the MTP drafter.
+
+The only host-device sync per step is reading the accepted tokens (needed to lay out the drafter's
+batch and to answer the scheduler). Drafts stay on the device between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.workers.batch import build_metadata
+from mtpserve.workers.drafter import Drafter, TargetRows
+from mtpserve.workers.kv_cache import KVPools
+from mtpserve.workers.models.loader import LoadedModel
+from mtpserve.workers.rejection import verify
+from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
+                                       uniforms)
+from mtpserve.workers.state import CachedRequest, SlotBuffers, sampling_tensors
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    num_mtp_modules: int  # modules in use (<= the checkpoint's)
+    chain_mode: str
+    draft_top_m: int
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, config: RunnerConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.config, self.device = model, config, device
+        cfg = model.config
+        self.vocab = cfg.vocab_size
+        self.kv = KVPools.allocate(cfg, config.num_blocks, config.block_size, config.num_mtp_modules, dtype, device,
+                                   num_kv_heads=model.target.layers[0].self_attn.num_kv_heads)
+        self.slots = SlotBuffers(config.max_num_seqs, config.num_mtp_modules, cfg.hidden_size, self.vocab,
+                                 config.draft_top_m, dtype, device)
+        self.drafter = Drafter(model.mtp, model.target.embed_tokens, model.target.lm_head, self.kv.mtp, self.slots,
+                               config.block_size, config.chain_mode, config.draft_top_m, self.vocab)
+        self.requests: dict[str, CachedRequest] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply(plan)
+        reqs = [self.requests[r] for r in plan.req_ids]
+        if not reqs:
+            return StepResult()
+        t0 = time.perf_counter()
+        starts = np.array([r.num_computed for r in reqs], dtype=np.int64)
+        n, d = np.array(plan.num_tokens, dtype=np.int64), np.array(plan.num_drafts, dtype=np.int64)
+        final = (starts + n == np.array([len(r.token_ids) for r in reqs])).tolist()
+        hidden, first_row = self._run_target(reqs, starts, n, d)
+        result = self._verify(reqs, final, hidden, first_row + n - 1, d)
+        for r, k, is_final in zip(reqs, n.tolist(), final):
+            if not is_final:
+                r.num_computed += k
+        t1 = time.perf_counter()
+        self.drafter.run(reqs, final, TargetRows(self._hidden_for_mtp(hidden), first_row, starts))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # only for honest phase timing; the step ends here anyway
+        result.target_seconds, result.draft_seconds = t1 - t0, time.perf_counter() - t1
+        return result
+
+    def _apply(self, plan: StepPlan) -> None:
+        for req_id in plan.freed_ids:
+            req = self.requests.pop(req_id, None)
+            if req is not None:
+                self.slots.release(req.slot)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = CachedRequest.from_new(new, self.slots.acquire(new),
+                                                                   self.config.num_mtp_modules)
+        for req_id, new_blocks in zip(plan.req_ids, plan.new_block_ids):
+            for table, blocks in zip(self.requests[req_id].block_ids, new_blocks):
+                table.extend(blocks)
+
+    def _run_target(self, reqs: list[CachedRequest], starts: np.ndarray, n: np.ndarray,
+                    d: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """Target forward over verified chunks plus draft windows -> (pre-norm hidden [T, H], first rows [R])."""
+        qlens = n + d
+        positions, meta = build_metadata(starts, qlens, [r.block_ids[0] for r in reqs], self.config.block_size,
+                                         self.device)
+        host: list[int] = []
+        for r, s, k, dd in zip(reqs, starts.tolist(), n.tolist(), d.tolist()):
+            host += r.token_ids[s : s + k] + [0] * dd
+        input_ids = torch.tensor(host, dtype=torch.long, device=self.device)
+        first_row = np.concatenate(([0], np.cumsum(qlens)[:-1]))
+        if d.any():  # drafts never left the device: gather them into their rows
+            req_rep = np.repeat(np.arange(len(reqs)), d)
+            j = np.arange(d.sum()) - np.repeat(np.cumsum(d) - d, d)
+            rows = torch.from_numpy(first_row[req_rep] + n[req_rep] + j).to(self.device)
+            slots = torch.tensor([reqs[i].slot for i in req_rep], device=self.device)
+            input_ids[rows] = self.slots.draft_tokens[slots, torch.from_numpy(j).to(self.device)]
+        return self.model.target(input_ids, positions, meta, self.kv.target), first_row
+
+    def _verify(self, reqs: list[CachedRequest], final: list[bool], hidden: torch.Tensor, window_row: np.ndarray,
+                d: np.ndarray) -> StepResult:
+        """Rejection-sample every request that reached its frontier; update its tokens on the host."""
+        f_idx = [i for i, is_final in enumerate(final) if is_final]
+        if not f_idx:
+            return StepResult()
+        f_reqs, dev = [reqs[i] for i in f_idx], self.device
+        num_drafts = torch.tensor(d[f_idx], device=dev)
+        k = int(d[f_idx].max())
+        win = np.minimum(window_row[f_idx][:, None] + np.arange(k + 1), window_row[f_idx][:, None] + d[f_idx][:, None])
+        raw = self.model.target.logits(hidden[torch.from_numpy(win.reshape(-1)).to(dev)])  # [F*(K+1), V]
+        st = sampling_tensors(f_reqs, self.vocab, dev)
+        slots = torch.tensor([r.slot for r in f_reqs], device=dev)
+        draft_ids = self.slots.draft_tokens[slots, :k]
+        logits = self._penalised(raw, st, slots, draft_ids, k) if st.use_penalties else raw
+        st_rows = st.take(torch.arange(len(f_reqs), device=dev).repeat_interleave(k + 1))
+        probs = to_probs(logits, st_rows).view(len(f_reqs), k + 1, -1)
+        frontier = torch.tensor([len(r.token_ids) for r in f_reqs], device=dev)[:, None]
+        seed = st.seed[:, None]
+        tokens, accepted = verify(
+            probs, logits.argmax(-1).view(len(f_reqs), k + 1), draft_ids, self.slots.q_ids[slots, :k],
+            self.slots.q_probs[slots, :k], num_drafts, st.greedy,
+            uniforms(seed, frontier + torch.arange(k, device=dev), STREAM_ACCEPT),
+            uniforms(seed, frontier + torch.arange(k + 1, device=dev), STREAM_SAMPLE),
+        )
+        host = torch.cat((accepted[:, None], tokens), dim=1).tolist()  # the step's one sync
+        result = StepResult()
+        for r, row in zip(f_reqs, host):
+            emitted = row[1 : row[0] + 2]
+            result.req_ids.append(r.req_id), result.token_ids.append(emitted), result.num_accepted.append(row[0])
+            r.token_ids += emitted
+            r.num_computed = len(r.token_ids) - 1
+        self.slots.count_tokens([r.slot for r, t in zip(f_reqs, result.token_ids) for _ in t],
+                                [x for t in result.token_ids for x in t])
+        result.logprobs = self._logprobs(f_reqs, raw.view(len(f_reqs), k + 1, -1), result.token_ids)
+        return result
+
+    def _penalised(self, raw: torch.Tensor, st, slots: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Penalties at window position j see the drafts before j, as they would see accepted tokens."""
+        counts, prompt_mask = self.slots.penalty_state(slots)  # [F, V]
+        drafted = torch.zeros(len(slots), k + 1, self.vocab, device=self.device)
+        drafted[:, 1:].scatter_add_(2, draft_ids[..., None], torch.ones_like(draft_ids[..., None], dtype=torch.float))
+        window_counts = counts[:, None] + drafted.cumsum(dim=1)
+        rows = torch.arange(len(slots), device=self.device).repeat_interleave(k + 1)
+        return apply_penalties(raw, window_counts.view(-1, self.vocab), prompt_mask[rows], st.take(rows))
+
+    def _logprobs(self, reqs: list[CachedRequest], raw: torch.Tensor,
+                  emitted: list[list[int]]) -> list[list[dict[int, float]] | None]:
+        wanted = [r.params.logprobs for r in reqs]
+        if all(w is None for w in wanted):
+            return [None] * len(reqs)
+        out: list[list[dict[int, float]] | None] = []
+        for i, (r, toks) in enumerate(zip(reqs, emitted)):
+            if r.params.logprobs is None:
+                out.append(None)
+                continue
+            chosen = torch.tensor(toks, device=self.device)
+            lp, ids, vals = logprobs_topn(raw[i, : len(toks)], chosen, r.params.logprobs)
+            out.append([{**dict(zip(ti, tv)), c: cl} for c, cl, ti, tv in
+                        zip(toks, lp.tolist(), ids.tolist(), vals.tolist())])
+        return out
+
+    def _hidden_for_mtp(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.model.config.mtp.hidden_pre_norm or len(self.model.mtp) == 0:
+            return hidden
+        return self.model.target.norm(hidden)

@@ -1,0 +1,402 @@
+"""Dense training of the target decoder and its MTP modules with the DeepSeek-V3 MTP objective.
+
+The forward here runs [B, S] batches through F.scaled_dot_product_attention instead of the paged KV
+cache (training has no cache), but it calls the very sub-layers and parameters of TargetModel and
+MTPStack, so a trained model is saved with writer.save_checkpoint and served by loader.load_model
+unchanged. tests/workers/test_train.py checks that both paths give the same logits.
+
+Head j (0 = target, j = k+1 = MTP module k) at position i predicts t_{i+j+1} (DESIGN.md §3):
+module k consumes g^{k-1}_i (g^{-1} = target hidden) and Emb(t_{i+k+1}).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpserve.workers.models.config import ModelConfig
+from mtpserve.workers.models.decoder import TargetModel
+from mtpserve.workers.models.layers import DecoderLayer
+from mtpserve.workers.models.mtp import MTPStack
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense forward over the serving modules' parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def dense_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    """x [B, S, H], positions [S] -> [B, S, H]; same math as DecoderLayer.forward, causal over each row."""
+    attn = layer.self_attn
+    b, s, _ = x.shape
+    q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(b, s, attn.num_heads, attn.head_dim)
+    k = k.view(b, s, attn.num_kv_heads, attn.head_dim)
+    v = v.view(b, s, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    # The rotary table is indexed by positions [S] and broadcasts over the batch dimension.
+    q, k = attn.rotary(q, positions), attn.rotary(k, positions)
+    # Query head j reads KV head j // group, as in paged_attention_ref; repeating the KV heads
+    # (instead of enable_gqa) keeps every SDPA backend, flash included, available.
+    group = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    # The fp32 norms/rotary lift q and k to fp32 under autocast; bring them back to v's dtype so
+    # SDPA can use the flash kernel.
+    dtype = v.dtype
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
+    out = attn.o_proj(out.transpose(1, 2).reshape(b, s, q_size))
+    x = x + F.dropout(out, dropout, training=dropout > 0)
+    return x + F.dropout(layer.mlp(layer.post_attention_layernorm(x)), dropout, training=dropout > 0)
+
+
+def target_hidden(target: TargetModel, tokens: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    """tokens [B, S] -> hidden states before the final norm [B, S, H] (what TargetModel.forward returns)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    x = target.embed_tokens(tokens)
+    for layer in target.layers:
+        x = dense_layer(layer, x, positions, dropout)
+    return x
+
+
+def mtp_module_hidden(
+    mtp: MTPStack,
+    k: int,
+    token_ids: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    embed: nn.Embedding,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Module k over [B, S]: token_ids carry t_{i+k+1}, prev_hidden g^{k-1}_i -> g^k [B, S, H] (MTPStack.forward)."""
+    module = mtp.mtp[k]
+    positions = torch.arange(token_ids.shape[1], device=token_ids.device)
+    emb = (module.embed_tokens or embed)(token_ids)
+    if mtp.cfg.mtp.mask_position0:
+        emb = emb.masked_fill((positions == 0)[None, :, None], 0.0)
+    e, h = module.enorm(emb), module.hnorm(prev_hidden)
+    x = module.eh_proj(torch.cat((h, e) if mtp.cfg.mtp.hidden_first else (e, h), dim=-1))
+    return dense_layer(module.block, x, positions, dropout)
+
+
+def shift(tokens: torch.Tensor, n: int, pad: int) -> torch.Tensor:
+    """[B, S] -> [B, S] with out[:, i] = tokens[:, i + n]; the last n columns are `pad`."""
+    out = tokens.new_full(tokens.shape, pad)
+    if n < tokens.shape[1]:
+        out[:, : tokens.shape[1] - n] = tokens[:, n:]
+    return out
+
+
+def dense_forward(target: TargetModel, mtp: MTPStack, tokens: torch.Tensor, dropout: float = 0.0) -> list[torch.Tensor]:
+    """tokens [B, S] -> fp32 logits [B, S, V] per head: [target, module 0, ...]; head j predicts t_{i+j+1}.
+
+    Module k's inputs past the end of the row are padding; causal attention keeps them from
+    touching valid positions and the loss ignores them.
+    """
+    h = target_hidden(target, tokens, dropout)
+    logits = [target.logits(h)]
+    prev = h if mtp.cfg.mtp.hidden_pre_norm else target.norm(h)
+    for k in range(len(mtp)):
+        g = mtp_module_hidden(mtp, k, shift(tokens, k + 1, 0), prev, target.embed_tokens, dropout)
+        logits.append(mtp.logits(k, g, target.lm_head))
+        prev = mtp.next_hidden(k, g)
+    return logits
+
+
+def head_targets(tokens: torch.Tensor, head: int) -> torch.Tensor:
+    return shift(tokens, head + 1, IGNORE)
+
+
+def mtp_objective(
+    logits: list[torch.Tensor], tokens: torch.Tensor, mtp_lambda: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: CE_main + lambda * mean_k CE_k. Returns (loss, per-head CE [1 + L], detached)."""
+    ces = torch.stack(
+        [F.cross_entropy(lg.flatten(0, 1), head_targets(tokens, j).flatten(), ignore_index=IGNORE) for j, lg in enumerate(logits)]
+    )
+    loss = ces[0] + (mtp_lambda * ces[1:].mean() if len(logits) > 1 else 0.0)
+    return loss, ces.detach()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building, evaluating, training
+# ---------------------------------------------------------------------------------------------
+
+
+def build_models(hf_config: dict[str, Any], device: torch.device | str = "cpu") -> tuple[ModelConfig, TargetModel, MTPStack]:
+    """Fresh fp32 target + MTP stack with GPT-style init (the modules' default init is for serving, not training)."""
+    cfg = ModelConfig.from_dict(hf_config)
+    target = TargetModel(cfg)
+    mtp = MTPStack(cfg, target.rotary)
+    init_weights(target, mtp)
+    return cfg, target.to(device), mtp.to(device)
+
+
+@torch.no_grad()
+def init_weights(target: TargetModel, mtp: MTPStack, std: float = 0.02) -> None:
+    # nn.Embedding's N(0, 1) would give huge logits through the tied head; residual-branch outputs
+    # are scaled down by depth so the residual stream's variance does not grow with the layer count.
+    depth = target.cfg.num_layers + len(mtp)
+    for module in (target, mtp):
+        for name, sub in module.named_modules():
+            if isinstance(sub, nn.Linear):
+                scaled = name.endswith(("o_proj", "down_proj"))
+                sub.weight.normal_(0.0, std / math.sqrt(2 * depth) if scaled else std)
+                if sub.bias is not None:
+                    sub.bias.zero_()
+            elif isinstance(sub, nn.Embedding):
+                sub.weight.normal_(0.0, std)
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _windows(tokens: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int | None) -> Iterator[torch.Tensor]:
+    n = tokens.numel() // seq_len
+    if max_tokens is not None:
+        n = min(n, max(1, max_tokens // seq_len))
+    rows = tokens[: n * seq_len].view(n, seq_len)
+    for i in range(0, n, batch_size):
+        yield rows[i : i + batch_size]
+
+
+@torch.no_grad()
+def evaluate(
+    target: TargetModel,
+    mtp: MTPStack,
+    tokens: torch.Tensor,
+    seq_len: int,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+) -> dict[str, list[float]]:
+    """Teacher-forced held-out loss and top-1 accuracy per head over non-overlapping windows of a 1-D stream."""
+    device = target.embed_tokens.weight.device
+    seq_len = min(seq_len, tokens.numel())
+    heads = 1 + len(mtp)
+    loss_sum, hits, count = torch.zeros(heads, dtype=torch.float64), torch.zeros(heads), torch.zeros(heads)
+    for batch in _windows(tokens, seq_len, batch_size, max_tokens):
+        batch = batch.to(device)
+        with _autocast(device):
+            logits = dense_forward(target, mtp, batch)
+        for j, lg in enumerate(logits):
+            tgt = head_targets(batch, j)
+            valid = tgt != IGNORE
+            loss_sum[j] += F.cross_entropy(lg[valid], tgt[valid], reduction="sum").double().cpu()
+            hits[j] += (lg[valid].argmax(-1) == tgt[valid]).sum().cpu()
+            count[j] += valid.sum().cpu()
+    count = count.clamp(min=1)
+    return {"loss": (loss_sum / count).tolist(), "top1": (hits / count).tolist(), "positions": count.tolist()}
+
+
+def objective_of(metrics: dict[str, list[float]], mtp_lambda: float) -> float:
+    loss = metrics["loss"]
+    return loss[0] + (mtp_lambda * sum(loss[1:]) / len(loss[1:]) if len(loss) > 1 else 0.0)
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 200  # upper bound; a time budget may end training sooner
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_lambda: float = 0.3
+    dropout: float = 0.0
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 0  # > 0: evaluate on val tokens, log, and keep the best weights by val objective
+    eval_max_tokens: int | None = 131072
+    deadline: float | None = None  # time.monotonic() value at which training must stop
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens_seen: int
+    final_losses: list[float]  # per head, mean over the last logging window
+    planned_steps: int
+    best_step: int | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def lr_at(step: int, total: int, tc: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at `total`."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, total - tc.warmup_steps))
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(target: TargetModel, mtp: MTPStack, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    params = {id(p): p for m in (target, mtp) for p in m.parameters()}  # the tied head appears once
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]  # norm weights and biases
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(
+    target: TargetModel,
+    mtp: MTPStack,
+    train_tokens: torch.Tensor,
+    tc: TrainConfig,
+    val_tokens: torch.Tensor | None = None,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
+    """Train in place on random windows of a 1-D token stream; returns what happened."""
+    device = target.embed_tokens.weight.device
+    gen = torch.Generator().manual_seed(tc.seed)
+    stream = train_tokens.to(device)
+    span = stream.numel() - tc.seq_len
+    if span <= 0:
+        raise ValueError(f"{stream.numel()} training tokens cannot fill one window of {tc.seq_len}")
+    arange = torch.arange(tc.seq_len, device=device)
+    opt = _optimizer(target, mtp, tc, device)
+    target.train(), mtp.train()
+    total, calib, tokens_seen = tc.steps, (5, 25), 0
+    window_sum, window_n, final = None, 0, []
+    history: list[dict[str, Any]] = []
+    best: tuple[float, int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+    marks: dict[int, float] = {}
+    step = 0
+    while step < total:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, tc)
+        starts = torch.randint(0, span + 1, (tc.batch_size,), generator=gen).to(device)
+        batch = stream[starts[:, None] + arange]
+        with _autocast(device):
+            logits = dense_forward(target, mtp, batch, tc.dropout)
+            loss, ces = mtp_objective(logits, batch, tc.mtp_lambda)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        del logits, loss
+        torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"] + opt.param_groups[1]["params"], tc.grad_clip)
+        opt.step()
+        step += 1
+        tokens_seen += batch.numel()
+        window_sum = ces if window_sum is None else window_sum + ces  # stays on device: no sync per step
+        window_n += 1
+        if tc.deadline is not None and step in calib:
+            _sync(device)
+            marks[step] = time.monotonic()
+            if step == calib[1]:
+                # Fix the cosine horizon once from the measured step time, so the schedule reaches
+                # its floor when the time budget runs out (3% kept for evals and jitter).
+                per_step = (marks[calib[1]] - marks[calib[0]]) / (calib[1] - calib[0])
+                fit = step + int(0.97 * (tc.deadline - time.monotonic()) / per_step)
+                total = max(step + 1, min(tc.steps, fit))
+                log(f"step time {per_step * 1e3:.1f} ms -> planning {total} steps")
+        last = step == total or (tc.deadline is not None and time.monotonic() >= tc.deadline)
+        if step % tc.log_every == 0 or last:
+            final = (window_sum / window_n).tolist()
+            window_sum, window_n = None, 0
+            heads = " ".join(f"{'main' if j == 0 else f'mtp{j - 1}'}={v:.4f}" for j, v in enumerate(final))
+            log(f"step {step}/{total} lr {lr_at(step - 1, total, tc):.2e} tokens {tokens_seen} loss {heads}")
+            history.append({"step": step, "train_loss": final})
+        if val_tokens is not None and tc.eval_every > 0 and (step % tc.eval_every == 0 or last):
+            metrics = evaluate(target, mtp, val_tokens, tc.seq_len, tc.batch_size, tc.eval_max_tokens)
+            target.train(), mtp.train()
+            objective = objective_of(metrics, tc.mtp_lambda)
+            log(f"step {step} val loss {_fmt(metrics['loss'])} top1 {_fmt(metrics['top1'])}")
+            history.append({"step": step, "val": metrics})
+            if best is None or objective < best[0]:
+                best = (objective, step, _snapshot(target), _snapshot(mtp))
+        if last:
+            break
+    best_step = None
+    if best is not None:
+        # Many epochs over a small corpus overfit; serve the weights that generalised best.
+        _, best_step, target_state, mtp_state = best
+        target.load_state_dict(target_state)
+        mtp.load_state_dict(mtp_state)
+        log(f"keeping weights of step {best_step} (best val objective {best[0]:.4f})")
+    target.eval(), mtp.eval()
+    return TrainResult(step, tokens_seen, final, total, best_step, history)
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny setting for tests
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_config(vocab_size: int = 64, num_mtp: int = 3, eos_token_id: int = 0) -> dict[str, Any]:
+    """A Qwen3-architecture config small enough to train in seconds on a CPU."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "num_nextn_predict_layers": num_mtp,
+        "eos_token_id": eos_token_id,
+        "bos_token_id": eos_token_id,
+    }
+
+
+def synthetic_tokens(vocab_size: int, n: int, seed: int = 0, noise: float = 0.1) -> torch.Tensor:
+    """A Markov stream: t_{i+1} = perm[t_i], except a uniformly random token with probability `noise`.
+
+    Every head (the target and each MTP module, whose input token is the one right before its
+    target) can reach about 1 - noise top-1, so speculation on a model trained on it accepts often.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(vocab_size, generator=gen)
+    rand = torch.randint(0, vocab_size, (n,), generator=gen)
+    flip = torch.rand(n, generator=gen) < noise
+    out = torch.empty(n, dtype=torch.long)
+    out[0] = rand[0]
+    for i in range(1, n):
+        out[i] = rand[i] if flip[i] else perm[out[i - 1]]
+    return out
+
+
+def train_tiny(
+    tokens: torch.Tensor,
+    cfg_dict: dict[str, Any] | None = None,
+    steps: int = 300,
+    seed: int = 0,
+    seq_len: int = 64,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+) -> tuple[TargetModel, MTPStack]:
+    """Train a tiny fp32 model on CPU from a 1-D token stream; returns (target, mtp) in eval mode."""
+    torch.manual_seed(seed)
+    _, target, mtp = build_models(cfg_dict or tiny_config(), "cpu")
+    tc = TrainConfig(seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, warmup_steps=max(1, steps // 10), seed=seed, log_every=max(1, steps))
+    train(target, mtp, tokens, tc, log=lambda _msg: None)
+    return target, mtp

@@ -1,0 +1,49 @@
+"""Lossless verification of a window of drafts (DESIGN.md §4), batched over requests.
+
+Sampled rows: accept draft d_j with probability min(1, p_j(d_j) / q'_j(d_j)); at the first rejection
+emit a token from norm(max(0, p_j - q'_j)); if every draft is accepted emit the bonus token from
+p_{k}. Whatever proposal q' the drafter really sampled from, the emitted tokens are distributed
+exactly as p. Greedy rows: accept while the draft equals the target argmax, then emit the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtpserve.workers.sampling import sample
+
+
+def verify(
+    p: torch.Tensor,  # [R, K+1, V] target distributions at each window position
+    target_argmax: torch.Tensor,  # [R, K+1]
+    draft_ids: torch.Tensor,  # [R, K] (entries past num_drafts are ignored)
+    q_ids: torch.Tensor,  # [R, K, M] the drafter's truncated proposal ...
+    q_probs: torch.Tensor,  # [R, K, M] ... and its renormalised probabilities
+    num_drafts: torch.Tensor,  # [R] int64
+    greedy: torch.Tensor,  # [R] bool
+    u_accept: torch.Tensor,  # [R, K] uniforms
+    u_sample: torch.Tensor,  # [R, K+1] uniforms
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (tokens [R, K+1]: accepted drafts then the emitted token at index a, num_accepted a [R])."""
+    num_reqs, window, vocab = p.shape
+    k = window - 1
+    rows = torch.arange(num_reqs, device=p.device)
+    q = torch.zeros(num_reqs, k, vocab, device=p.device, dtype=p.dtype).scatter_(2, q_ids, q_probs)
+
+    p_d = p[:, :k].gather(2, draft_ids[..., None]).squeeze(-1)
+    q_d = q.gather(2, draft_ids[..., None]).squeeze(-1)
+    accept = torch.where(greedy[:, None], draft_ids == target_argmax[:, :k], u_accept * q_d < p_d)
+    accept &= torch.arange(k, device=p.device)[None, :] < num_drafts[:, None]
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+
+    # Emit from the residual at the first rejection; at a == num_drafts q is zero, so this is the bonus p.
+    p_a = p[rows, num_accepted]
+    rejected = (num_accepted < num_drafts)[:, None]
+    q_a = q[rows, num_accepted.clamp(max=max(k - 1, 0))] * rejected if k > 0 else torch.zeros_like(p_a)
+    residual = (p_a - q_a).clamp(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_a)  # p == q' up to rounding
+    emitted = torch.where(greedy, target_argmax[rows, num_accepted], sample(residual, u_sample[rows, num_accepted]))
+
+    tokens = torch.cat((draft_ids, draft_ids.new_zeros(num_reqs, 1)), dim=1)
+    tokens[rows, num_accepted] = emitted
+    return tokens, num_accepted

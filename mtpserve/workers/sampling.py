@@ -1,0 +1,110 @@
+"""The request's sampling transform, applied identically to target and draft logits (DESIGN.md §4).
+
+All functions are batched over rows [B, V]; per-row settings are tensors, never Python loops.
+Randomness is counter-based: a uniform is a hash of (seed, token index, stream), so a seeded request
+samples the same tokens whatever else is in the batch, and drawing never advances shared state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Streams keep the draws of one token index independent of each other.
+STREAM_DRAFT, STREAM_ACCEPT, STREAM_SAMPLE = 1, 2, 3
+
+_MASK64 = -1  # all 64 bits, as a signed int64
+_M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64 multipliers as signed int64
+_GOLDEN = -7046029254386353131
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
+    """seed, index: int64 tensors of one shape -> float32 uniforms in [0, 1) of that shape."""
+    x = _mix(seed * _GOLDEN + stream)
+    x = _mix(x ^ (index * _M2))
+    return _shr(x, 40).float() * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row settings on the device; flags are host-side so unused filters cost nothing."""
+
+    temperature: torch.Tensor  # [B] float, 1.0 on greedy rows
+    top_k: torch.Tensor  # [B] int64, vocab size when off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    repetition: torch.Tensor  # [B] float
+    presence: torch.Tensor  # [B] float
+    frequency: torch.Tensor  # [B] float
+    greedy: torch.Tensor  # [B] bool
+    seed: torch.Tensor  # [B] int64
+    use_penalties: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    all_greedy: bool
+
+    def take(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The settings of the given rows (a row may repeat, e.g. once per window position)."""
+        fields = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        return SamplingTensors(**fields)
+
+
+def apply_penalties(
+    logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor, st: SamplingTensors
+) -> torch.Tensor:
+    """logits, output_counts [B, V] (float), prompt_mask [B, V] bool -> penalised logits."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = st.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    return logits - st.frequency[:, None] * output_counts - st.presence[:, None] * (output_counts > 0)
+
+
+def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Penalised logits [B, V] -> the request's sampling distribution [B, V] (temperature, top-k, top-p, min-p)."""
+    logits = logits / st.temperature[:, None]
+    if st.use_top_k:
+        kth = logits.topk(int(st.top_k.max()), dim=-1).values.gather(1, (st.top_k - 1).clamp(min=0)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if st.use_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the line stays in).
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= st.top_p[:, None]
+        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+    if st.use_min_p:
+        probs = probs.masked_fill(probs < st.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [B, V] (unnormalised is fine), u [B] -> token ids [B]."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def top_m(probs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncate to the top m entries and renormalise: -> (ids [B, m], probs [B, m])."""
+    values, ids = probs.topk(min(m, probs.shape[-1]), dim=-1)
+    return ids, values / values.sum(-1, keepdim=True)
+
+
+def logprobs_topn(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw-model log-probabilities: -> (chosen [B], top ids [B, n], top values [B, n])."""
+    logp = logits.float().log_softmax(-1)
+    top = logp.topk(n, dim=-1) if n > 0 else (logp[:, :0], logp[:, :0].long())
+    return logp.gather(1, chosen[:, None]).squeeze(1), top[1], top[0]

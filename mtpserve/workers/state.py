@@ -1,0 +1,108 @@
+"""Worker-side per-request state and the persistent per-slot device buffers.
+
+The scheduler sends diffs (StepPlan); this is where a worker remembers everything else:
+verified tokens, how far each KV group is committed, and (on the device) the drafts, their
+proposal distributions, the hidden state each MTP module hands to the next, and penalty counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtpserve.cluster.types import NewRequest
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
+from mtpserve.workers.sampling import SamplingTensors
+
+
+@dataclass
+class CachedRequest:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    num_spec: int
+    seed: int
+    block_ids: list[list[int]]
+    slot: int
+    num_computed: int = 0  # target positions committed
+    mtp_computed: list[int] = field(default_factory=list)  # per module: positions committed
+
+    @staticmethod
+    def from_new(new: NewRequest, slot: int, num_modules: int) -> "CachedRequest":
+        return CachedRequest(
+            new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params, new.num_spec,
+            new.seed, [list(b) for b in new.block_ids], slot, mtp_computed=[0] * num_modules,
+        )
+
+
+class SlotBuffers:
+    """Device tensors indexed by a request's slot, so per-step updates are batched scatters."""
+
+    def __init__(self, num_slots: int, num_modules: int, hidden: int, vocab: int, top_m: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        k, self.vocab, self.device = MAX_SPECULATIVE_TOKENS, vocab, device
+        self.draft_tokens = torch.zeros(num_slots, k, dtype=torch.long, device=device)
+        self.q_ids = torch.zeros(num_slots, k, top_m, dtype=torch.long, device=device)
+        self.q_probs = torch.zeros(num_slots, k, top_m, dtype=torch.float32, device=device)
+        self.carry = torch.zeros(num_slots, max(num_modules, 1), hidden, dtype=dtype, device=device)
+        self._counts: torch.Tensor | None = None  # [slots, V] output-token counts, made on first use
+        self._prompt_mask: torch.Tensor | None = None  # [slots, V]
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def acquire(self, req: NewRequest) -> int:
+        if not self._free:
+            raise RuntimeError("no free request slot: more running requests than max_num_seqs")
+        slot = self._free.pop()
+        if req.params.uses_penalties:
+            self._init_penalty_state(slot, req)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def penalty_state(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._counts[slots], self._prompt_mask[slots]
+
+    def count_tokens(self, slots: list[int], tokens: list[int]) -> None:
+        """Add accepted output tokens to the penalty counts (sampler state advances on accepted tokens only)."""
+        if self._counts is not None and tokens:
+            idx = torch.tensor(slots, device=self.device) * self.vocab + torch.tensor(tokens, device=self.device)
+            self._counts.view(-1).index_add_(0, idx, torch.ones(len(tokens), device=self.device))
+
+    def _init_penalty_state(self, slot: int, req: NewRequest) -> None:
+        if self._counts is None:
+            num_slots = self.draft_tokens.shape[0]
+            self._counts = torch.zeros(num_slots, self.vocab, device=self.device)
+            self._prompt_mask = torch.zeros(num_slots, self.vocab, dtype=torch.bool, device=self.device)
+        prompt = torch.tensor(req.token_ids[: req.num_prompt_tokens], device=self.device)
+        output = torch.tensor(req.token_ids[req.num_prompt_tokens :], dtype=torch.long, device=self.device)
+        self._prompt_mask[slot] = False
+        self._prompt_mask[slot, prompt] = True
+        self._counts[slot] = torch.bincount(output, minlength=self.vocab).float()
+
+
+def sampling_tensors(reqs: list[CachedRequest], vocab: int, device: torch.device) -> SamplingTensors:
+    """Per-request settings as [R] tensors (greedy rows get temperature 1 so division is safe)."""
+    ps = [r.params for r in reqs]
+
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingTensors(
+        temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32),
+        top_k=t([p.top_k if p.top_k > 0 else vocab for p in ps], torch.long),
+        top_p=t([p.top_p for p in ps], torch.float32),
+        min_p=t([p.min_p for p in ps], torch.float32),
+        repetition=t([p.repetition_penalty for p in ps], torch.float32),
+        presence=t([p.presence_penalty for p in ps], torch.float32),
+        frequency=t([p.frequency_penalty for p in ps], torch.float32),
+        greedy=t([p.greedy for p in ps], torch.bool),
+        seed=t([r.seed for r in reqs], torch.long),
+        use_penalties=any(p.uses_penalties for p in ps),
+        use_top_k=any(0 < p.top_k < vocab for p in ps),
+        use_top_p=any(p.top_p < 1.0 for p in ps),
+        use_min_p=any(p.min_p > 0.0 for p in ps),
+        all_greedy=all(p.greedy for p in ps),
+    )
