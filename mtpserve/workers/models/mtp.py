@@ -53,7 +53,7 @@ class MTPStack(nn.Module):
         """Run module k over flat rows: token_ids [T] (t_{i+k+1}), prev_hidden [T, H] -> g^k [T, H]."""
         module = self.mtp[k]
         emb = (module.embed_tokens or embed)(token_ids)
-        if False:
+        if self.cfg.mtp.mask_position0:
             emb = emb.masked_fill((positions == 0)[:, None], 0.0)
         e, h = module.enorm(emb), module.hnorm(prev_hidden)
         x = module.eh_proj(torch.cat((h, e) if self.cfg.mtp.hidden_first else (e, h), dim=-1))
