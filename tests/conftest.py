@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny checkpoints in Hugging Face layout, built by the tests themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtpserve.workers.models.train import synthetic_tokens, tiny_config, train_tiny
+from mtpserve.workers.models.writer import save_checkpoint
+
+
+@pytest.fixture(scope="session")
+def trained_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 target with 3 DeepSeek-style MTP modules, trained briefly on a noisy Markov stream.
+
+    Trained just enough that the modules predict often but not always: speculation then sees a mix
+    of accepted and rejected drafts, which is what the equivalence and replay tests need.
+    """
+    path = tmp_path_factory.mktemp("trained")
+    cfg = tiny_config(vocab_size=64, num_mtp=3)
+    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=40, seed=0)
+    save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
+    return path
+
+
+def prompts_of(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
