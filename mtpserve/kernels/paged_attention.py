@@ -8,8 +8,9 @@ Design (FlashAttention-2 style, one pass, no split-KV):
     and the GQA group's query heads are packed into the M dimension (row m = query m // GROUP_P, head
     m % GROUP_P), so each K/V tile read from HBM serves every query head that shares it;
   * query blocks are numbered over the flat batch (request r owns ids qsl[r] // BLOCK_Q + r onwards), so
-    the grid depends only on the token and request counts: no host sync, no padding to max_query_len,
-    and it is fixed for a CUDA-graph bucket. A program finds its request by binary search;
+    the grid depends only on the token and request counts and the tile shape: no host sync, no padding
+    of every request to max_query_len, and a CUDA-graph bucket keeps one grid. A program finds its
+    request by binary search over query_start_loc;
   * K/V tiles of BLOCK_N positions are gathered through the block table position by position, so
     BLOCK_N is independent of the page size (any page size works);
   * online softmax in base 2 with fp32 statistics and accumulator; tiles every row of the block sees in
@@ -107,7 +108,7 @@ def _paged_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     qi = q_start + offs_m // GROUP_P  # query index within the request
     head = kv_head * GROUP + offs_m % GROUP_P
-    row_ok = (qi < qlen) & (offs_m % GROUP_P < GROUP_P)
+    row_ok = (qi < qlen) & (offs_m % GROUP_P < GROUP)
     q_pos = ctx + qi
     offs_d = tl.arange(0, HEAD_DIM)
     row_off = (q_begin + qi).to(tl.int64)
@@ -192,6 +193,9 @@ def paged_attention(
     block_q = block_m // group_p
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
+    for name, tile in (("block_m", block_m), ("block_n", block_n)):
+        if tile < 16 or tile & (tile - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's minimum), got {tile}")
     num_warps = 8 if block_m >= 128 else 4
     # fp32 inputs are the exact path (tests, debugging): keep the dots out of TF32.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
