@@ -138,6 +138,10 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind == "llama3":
+        needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [key for key in needed if key not in params]
+        if missing:
+            raise CheckpointError(f"config field 'rope_scaling': llama3 rope needs {missing}")
         return RopeConfig(
             theta=theta,
             kind="llama3",
