@@ -29,9 +29,7 @@ from mtpserve.workers.models.mtp import MTPStack
 IGNORE = -100
 
 
-# ---------------------------------------------------------------------------------------------
-# Dense forward over the serving modules' parameters
-# ---------------------------------------------------------------------------------------------
+# --- dense forward over the serving modules' parameters --------------------------------------
 
 
 def dense_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
@@ -128,9 +126,7 @@ def mtp_objective(
     return loss, ces.detach()
 
 
-# ---------------------------------------------------------------------------------------------
-# Building, evaluating, training
-# ---------------------------------------------------------------------------------------------
+# --- building, evaluating, training ------------------------------------------------------------
 
 
 def build_models(hf_config: dict[str, Any], device: torch.device | str = "cpu") -> tuple[ModelConfig, TargetModel, MTPStack]:
@@ -184,7 +180,7 @@ def evaluate(
     device = target.embed_tokens.weight.device
     seq_len = min(seq_len, tokens.numel())
     heads = 1 + len(mtp)
-    loss_sum, hits, count = torch.zeros(heads, dtype=torch.float64), torch.zeros(heads), torch.zeros(heads)
+    loss_sum, hits, count = (torch.zeros(heads, dtype=torch.float64) for _ in range(3))
     for batch in _windows(tokens, seq_len, batch_size, max_tokens):
         batch = batch.to(device)
         with _autocast(device):
@@ -249,9 +245,26 @@ def _optimizer(target: TargetModel, mtp: MTPStack, tc: TrainConfig, device: torc
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _train_step(
+    target: TargetModel, mtp: MTPStack, opt: torch.optim.AdamW, batch: torch.Tensor, tc: TrainConfig
+) -> torch.Tensor:
+    """One optimiser step on a [B, S] batch; returns the per-head CE, still on the device."""
+    with _autocast(batch.device):
+        logits = dense_forward(target, mtp, batch, tc.dropout)
+        loss, ces = mtp_objective(logits, batch, tc.mtp_lambda)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], tc.grad_clip)
+    opt.step()
+    return ces
+
+
+def _planned_steps(step: int, seconds: float, timed_steps: int, tc: TrainConfig) -> int:
+    """Fix the cosine horizon once from the measured step time, so the schedule reaches its floor
+    when the time budget runs out (3% kept for the periodic evaluations and jitter)."""
+    assert tc.deadline is not None
+    fit = step + int(0.97 * (tc.deadline - time.monotonic()) * timed_steps / seconds)
+    return max(step + 1, min(tc.steps, fit))
 
 
 def train(
@@ -264,7 +277,8 @@ def train(
 ) -> TrainResult:
     """Train in place on random windows of a 1-D token stream; returns what happened."""
     device = target.embed_tokens.weight.device
-    gen = torch.Generator().manual_seed(tc.seed)
+    # Offsets are drawn on the training device: a host-to-device copy per step would sync the stream.
+    gen = torch.Generator(device=device).manual_seed(tc.seed)
     stream = train_tokens.to(device)
     span = stream.numel() - tc.seq_len
     if span <= 0:
@@ -272,49 +286,35 @@ def train(
     arange = torch.arange(tc.seq_len, device=device)
     opt = _optimizer(target, mtp, tc, device)
     target.train(), mtp.train()
-    total, calib, tokens_seen = tc.steps, (5, 25), 0
-    window_sum, window_n, final = None, 0, []
+    total, step, tokens_seen, timer = tc.steps, 0, 0, 0.0
+    window_sum, window_n, final = torch.zeros(1 + len(mtp), device=device), 0, []
     history: list[dict[str, Any]] = []
     best: tuple[float, int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
-    marks: dict[int, float] = {}
-    step = 0
     while step < total:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, tc)
-        starts = torch.randint(0, span + 1, (tc.batch_size,), generator=gen).to(device)
+        starts = torch.randint(0, span + 1, (tc.batch_size,), generator=gen, device=device)
         batch = stream[starts[:, None] + arange]
-        with _autocast(device):
-            logits = dense_forward(target, mtp, batch, tc.dropout)
-            loss, ces = mtp_objective(logits, batch, tc.mtp_lambda)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        del logits, loss
-        torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"] + opt.param_groups[1]["params"], tc.grad_clip)
-        opt.step()
-        step += 1
-        tokens_seen += batch.numel()
-        window_sum = ces if window_sum is None else window_sum + ces  # stays on device: no sync per step
-        window_n += 1
-        if tc.deadline is not None and step in calib:
-            _sync(device)
-            marks[step] = time.monotonic()
-            if step == calib[1]:
-                # Fix the cosine horizon once from the measured step time, so the schedule reaches
-                # its floor when the time budget runs out (3% kept for evals and jitter).
-                per_step = (marks[calib[1]] - marks[calib[0]]) / (calib[1] - calib[0])
-                fit = step + int(0.97 * (tc.deadline - time.monotonic()) / per_step)
-                total = max(step + 1, min(tc.steps, fit))
-                log(f"step time {per_step * 1e3:.1f} ms -> planning {total} steps")
+        window_sum += _train_step(target, mtp, opt, batch, tc)  # summed on the device: no per-step sync
+        window_n, step, tokens_seen = window_n + 1, step + 1, tokens_seen + batch.numel()
+        if tc.deadline is not None and step in (5, 25):  # past the first steps' one-off warm-up costs
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step == 5:
+                timer = time.monotonic()
+            else:
+                total = _planned_steps(step, time.monotonic() - timer, 20, tc)
+                log(f"step time {(time.monotonic() - timer) / 20 * 1e3:.1f} ms -> planning {total} steps")
         last = step == total or (tc.deadline is not None and time.monotonic() >= tc.deadline)
         if step % tc.log_every == 0 or last:
             final = (window_sum / window_n).tolist()
-            window_sum, window_n = None, 0
+            window_sum.zero_()
+            window_n = 0
             heads = " ".join(f"{'main' if j == 0 else f'mtp{j - 1}'}={v:.4f}" for j, v in enumerate(final))
             log(f"step {step}/{total} lr {lr_at(step - 1, total, tc):.2e} tokens {tokens_seen} loss {heads}")
             history.append({"step": step, "train_loss": final})
         if val_tokens is not None and tc.eval_every > 0 and (step % tc.eval_every == 0 or last):
             metrics = evaluate(target, mtp, val_tokens, tc.seq_len, tc.batch_size, tc.eval_max_tokens)
-            target.train(), mtp.train()
             objective = objective_of(metrics, tc.mtp_lambda)
             log(f"step {step} val loss {_fmt(metrics['loss'])} top1 {_fmt(metrics['top1'])}")
             history.append({"step": step, "val": metrics})
@@ -322,18 +322,16 @@ def train(
                 best = (objective, step, _snapshot(target), _snapshot(mtp))
         if last:
             break
-    best_step = None
     if best is not None:
-        # Many epochs over a small corpus overfit; serve the weights that generalised best.
-        _, best_step, target_state, mtp_state = best
-        target.load_state_dict(target_state)
-        mtp.load_state_dict(mtp_state)
-        log(f"keeping weights of step {best_step} (best val objective {best[0]:.4f})")
+        # Many epochs over a small corpus overfit; keep the weights that generalised best.
+        target.load_state_dict(best[2])
+        mtp.load_state_dict(best[3])
+        log(f"keeping weights of step {best[1]} (best val objective {best[0]:.4f})")
     target.eval(), mtp.eval()
-    return TrainResult(step, tokens_seen, final, total, best_step, history)
+    return TrainResult(step, tokens_seen, final, total, best[1] if best else None, history)
 
 
-def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:  # on the host: device memory is for training
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
@@ -341,9 +339,7 @@ def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
 
 
-# ---------------------------------------------------------------------------------------------
-# Tiny setting for tests
-# ---------------------------------------------------------------------------------------------
+# --- tiny setting for tests -------------------------------------------------------------------
 
 
 def tiny_config(vocab_size: int = 64, num_mtp: int = 3, eos_token_id: int = 0) -> dict[str, Any]:
@@ -373,6 +369,7 @@ def synthetic_tokens(vocab_size: int, n: int, seed: int = 0, noise: float = 0.1)
 
     Every head (the target and each MTP module, whose input token is the one right before its
     target) can reach about 1 - noise top-1, so speculation on a model trained on it accepts often.
+    The permutation depends on `seed`: take held-out tokens from the same stream, not another seed.
     """
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(vocab_size, generator=gen)
@@ -394,9 +391,30 @@ def train_tiny(
     batch_size: int = 16,
     lr: float = 3e-3,
 ) -> tuple[TargetModel, MTPStack]:
-    """Train a tiny fp32 model on CPU from a 1-D token stream; returns (target, mtp) in eval mode."""
+    """Train a tiny fp32 model on CPU from a 1-D token stream; returns (target, mtp) in eval mode.
+
+    (Engine fixtures choose `steps` to get partly trained modules; keep these defaults stable.)
+    On synthetic_tokens(64, ...), steps=60, seq_len=32, lr=1e-2 bring every head near its
+    ceiling in a few seconds.
+    """
     torch.manual_seed(seed)
     _, target, mtp = build_models(cfg_dict or tiny_config(), "cpu")
-    tc = TrainConfig(seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, warmup_steps=max(1, steps // 10), seed=seed, log_every=max(1, steps))
-    train(target, mtp, tokens, tc, log=lambda _msg: None)
+    tc = TrainConfig(
+        seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr,
+        warmup_steps=max(1, steps // 10), seed=seed, log_every=steps,
+    )
+    with single_thread():
+        train(target, mtp, tokens, tc, log=lambda _msg: None)
     return target, mtp
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run tiny CPU work on one thread: its ops are so small that intra-op threads cost more than
+    they give, and several times more on a loaded CI machine (measured 5x on two busy cores)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
