@@ -20,7 +20,8 @@ def trained_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     path = tmp_path_factory.mktemp("trained")
     cfg = tiny_config(vocab_size=64, num_mtp=3)
-    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=40, seed=0)
+    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=40, seed=0,
+                             seq_len=32, batch_size=16, lr=1e-2)
     save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
     return path
 

@@ -28,7 +28,8 @@ def verify(
     num_reqs, window, vocab = p.shape
     k = window - 1
     rows = torch.arange(num_reqs, device=p.device)
-    q = torch.zeros(num_reqs, k, vocab, device=p.device, dtype=p.dtype).scatter_(2, q_ids, q_probs)
+    # scatter_add: ids may repeat (zero-probability padding when the vocabulary is smaller than M).
+    q = torch.zeros(num_reqs, k, vocab, device=p.device, dtype=p.dtype).scatter_add_(2, q_ids, q_probs)
 
     p_d = p[:, :k].gather(2, draft_ids[..., None]).squeeze(-1)
     q_d = q.gather(2, draft_ids[..., None]).squeeze(-1)

@@ -24,7 +24,8 @@ def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     accepted and rejected in every pattern, which is what equivalence and replay must survive."""
     path = tmp_path_factory.mktemp("partly_trained")
     cfg = tiny_config(vocab_size=64, num_mtp=3)
-    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0)
+    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0,
+                             seq_len=32, batch_size=16, lr=1e-2)
     save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
     return path
 
@@ -90,10 +91,12 @@ def test_accepted_counts_replay_teacher_forced_predictions(partly_trained: Path,
     prompts = prompts_of(64, [5, 13, 29, 2], seed=4)
     outs, _ = _generate(partly_trained, prompts, GREEDY, num_speculative_tokens=3, mtp_chain=mode, block_size=4)
     ref = Reference(partly_trained)
+    replayed = []
     for prompt, out in zip(prompts, outs):
         expected = _replay(ref, prompt + out.token_ids, len(prompt), 3, GREEDY.max_tokens, mode)
         assert out.accepted_per_step == expected
-        assert 0 < sum(expected) < 3 * len(expected)
+        replayed += expected
+    assert len(set(replayed)) > 2, "the replay must cover several acceptance patterns"
 
 
 def test_first_drafts_come_out_of_the_prefill(trained_ckpt: Path) -> None:
