@@ -1,0 +1,305 @@
+"""Serve one replica: `python -m mtpserve.cluster.serve --config deploy/<name>.yaml [flags]`.
+
+This is also the entrypoint of `ray job submit ... -- python -m mtpserve.cluster.serve` (deploy/): the
+engine runs inside this process (the Ray job's driver), and on Ray workers only when the engine
+configuration asks for them (tensor_parallel_size > 1, drafter_devices > 0 or use_ray). It serves
+until SIGTERM or SIGINT (what `ray job stop` and Kubernetes send), then shuts down gracefully:
+health turns NOT_SERVING, in-flight streams get `shutdown_grace_seconds` to finish, the rest are aborted.
+
+Configuration: every EngineConfig field and every ServerOptions field is a YAML key (`--config`) and a
+flag (`--tensor-parallel-size` for tensor_parallel_size); flags win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtpserve.cluster.engine_config import EngineConfig
+
+log = logging.getLogger("mtpserve.serve")
+
+AUTH_TOKEN_ENV = "MTPSERVE_AUTH_TOKEN"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "0.0.0.0"
+    port: int = 50051  # gRPC; 0 picks a free port
+    metrics_port: int = 9400  # Prometheus text endpoint; 0 picks a free port, -1 turns it off
+    model_name: str | None = None  # reported by GetModelInfo; default: the checkpoint directory's name
+    max_queue_size: int = 256  # requests waiting beyond max_num_seqs; more get RESOURCE_EXHAUSTED
+    auth_token: str | None = None  # bearer token required on every RPC but health (or $MTPSERVE_AUTH_TOKEN)
+    auth_token_file: str | None = None  # the token from a file (a mounted Kubernetes secret)
+    tls_cert_file: str | None = None  # PEM certificate chain: serve TLS instead of plaintext
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # PEM CA bundle: also require client certificates (mTLS)
+    shutdown_grace_seconds: float = 5.0
+    log_level: str = "INFO"
+
+    def token(self) -> str | None:
+        if self.auth_token_file:
+            return Path(self.auth_token_file).read_text().strip()
+        return self.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+# -- configuration: YAML < flags ------------------------------------------------------------------
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _flag_type(f: dataclasses.Field) -> Any:
+    """The argparse type of a dataclass field, from its (string) annotation."""
+    annotation = str(f.type)
+    if annotation.startswith("bool"):
+        return bool
+    for name, kind in (("int", int), ("float", float)):
+        if annotation.startswith(name):
+            return kind
+    return str
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for every engine and server field; unset flags stay absent so the YAML can fill them."""
+    parser.add_argument("--config", type=Path, help="YAML file with the same keys as the flags (flags win)")
+    for group_name, cls in (("engine", EngineConfig), ("server", ServerOptions)):
+        group = parser.add_argument_group(group_name)
+        for name, f in _fields(cls).items():
+            flag, kind = "--" + name.replace("_", "-"), _flag_type(f)
+            default = f" (default: {f.default})" if f.default is not dataclasses.MISSING else ""
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                   help=f"{name}{default}")
+            else:
+                group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=name.upper(),
+                                   help=f"{name}{default}")
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[EngineConfig, ServerOptions]:
+    """Merge the YAML file (keys with '_' or '-') with flag overrides; unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"config {path}: expected a mapping of keys to values")
+        values = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    values.update(overrides)
+    engine_keys, server_keys = _fields(EngineConfig), _fields(ServerOptions)
+    unknown = sorted(set(values) - set(engine_keys) - set(server_keys))
+    if unknown:
+        raise ValueError(f"config: unknown keys {unknown}")
+    engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_keys})
+    server = ServerOptions(**{k: v for k, v in values.items() if k in server_keys})
+    return engine, server
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
+    overrides = {k: v for k, v in vars(args).items() if k in _fields(EngineConfig) or k in _fields(ServerOptions)}
+    return load_config(args.config, overrides)
+
+
+# -- start-up ---------------------------------------------------------------------------------------
+def load_engine(config: EngineConfig, heartbeat_seconds: float = 10.0):
+    """Build the engine (reads the checkpoint, loads weights, sizes the KV cache), logging progress."""
+    from mtpserve.cluster.engine import LLMEngine  # torch and the model code: only once we need them
+
+    where = config.model or "the default model (mtpserve/default_model)"
+    log.info("loading %s (tp=%d, drafter_devices=%d)", where, config.tensor_parallel_size, config.drafter_devices)
+    t0, done = time.monotonic(), threading.Event()
+
+    def heartbeat() -> None:  # weight loading of a large checkpoint takes minutes: show that it is alive
+        while not done.wait(heartbeat_seconds):
+            log.info("still loading the model (%.0f s)", time.monotonic() - t0)
+
+    threading.Thread(target=heartbeat, name="mtpserve-load-progress", daemon=True).start()
+    try:
+        engine = LLMEngine(config)
+    finally:
+        done.set()
+    r = engine.resolved
+    log.info("model loaded in %.1f s: %s, vocab %d, context %d, %d MTP modules (%d in use, %d draft tokens "
+             "by default), %d KV blocks of %d per group, %s %s", time.monotonic() - t0, r.model_config.architecture,
+             r.model_config.vocab_size, r.max_model_len, r.model_config.mtp.num_modules, r.num_mtp_modules,
+             r.default_num_spec, r.num_blocks, config.block_size, r.device, str(r.dtype).removeprefix("torch."))
+    return engine
+
+
+class Replica:
+    """One serving replica in the running event loop: the engine thread, the gRPC server (Generation,
+    health, reflection) and the metrics HTTP server."""
+
+    def __init__(self, engine: Any, options: ServerOptions) -> None:
+        self.engine, self.options = engine, options
+        self.engine_loop: Any = None
+        self.grpc_server: Any = None
+        self.health: Any = None
+        self.metrics_http: Any = None
+        self.port = 0
+        self.metrics_port = -1
+
+    async def start(self) -> "Replica":
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+
+        from mtpserve.cluster.metrics import PrometheusLogger
+        from mtpserve.cluster.router import BearerAuthInterceptor, EngineLoop, GenerationServicer, model_info
+        from mtpserve.v1 import generation_pb2, generation_pb2_grpc
+
+        o, r = self.options, self.engine.resolved
+        logger = PrometheusLogger(r.num_mtp_modules, r.config.mtp_chain)
+        self.engine_loop = EngineLoop(self.engine, logger)
+        self.engine_loop.start()
+        token = o.token()
+        # so_reuseport off: a port already taken must fail loudly instead of being shared silently.
+        self.grpc_server = grpc.aio.server(interceptors=[BearerAuthInterceptor(token)] if token else [],
+                                           options=[("grpc.so_reuseport", 0)])
+        servicer = GenerationServicer(self.engine_loop, model_info(self.engine, o.model_name),
+                                      r.config.max_num_seqs + o.max_queue_size)
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self.grpc_server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        names = [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.grpc_server)
+        self.port = self._bind(grpc)
+        await self.grpc_server.start()
+        for service in ("", names[0]):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if o.metrics_port >= 0:
+            from prometheus_client import start_http_server
+
+            self.metrics_http, _ = start_http_server(o.metrics_port, addr=o.host, registry=logger.registry)
+            self.metrics_port = self.metrics_http.server_port
+        log.info("serving gRPC on %s:%d (%s%s), metrics on %s", o.host, self.port,
+                 "TLS" if o.tls_cert_file else "plaintext", ", bearer auth" if token else "",
+                 f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off")
+        return self
+
+    def _bind(self, grpc: Any) -> int:
+        o, address = self.options, f"{self.options.host}:{self.options.port}"
+        if not o.tls_cert_file:
+            port = self.grpc_server.add_insecure_port(address)
+        else:
+            if not o.tls_key_file:
+                raise ValueError("tls_key_file: required with tls_cert_file")
+            ca = Path(o.tls_client_ca_file).read_bytes() if o.tls_client_ca_file else None
+            creds = grpc.ssl_server_credentials([(Path(o.tls_key_file).read_bytes(),
+                                                  Path(o.tls_cert_file).read_bytes())],
+                                                root_certificates=ca, require_client_auth=ca is not None)
+            port = self.grpc_server.add_secure_port(address, creds)
+        if port == 0:
+            raise OSError(f"port: cannot bind {address}")
+        return port
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.options.shutdown_grace_seconds if grace is None else grace
+        log.info("shutting down (grace %.1f s)", grace)
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)  # then cancels what is left: those streams abort their requests
+        if self.engine_loop is not None:
+            await asyncio.to_thread(self.engine_loop.stop)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+        self.engine.shutdown()
+        log.info("stopped")
+
+
+class ServerThread:
+    """A replica on an event loop of its own in a background thread (tests, embedding in a program)."""
+
+    def __init__(self, engine: Any, options: ServerOptions, start_timeout: float = 60.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.replica = Replica(engine, options)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="mtpserve-grpc", daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.replica.start(), self.loop).result(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def port(self) -> int:
+        return self.replica.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.replica.metrics_port
+
+    def stop(self, grace: float = 0.0, timeout: float = 60.0) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.replica.stop(grace), self.loop).result(timeout)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+# -- the process ------------------------------------------------------------------------------------
+async def serve_until_signalled(engine: Any, options: ServerOptions) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    replica = await Replica(engine, options).start()
+    await stop.wait()
+    await replica.stop()
+
+
+def run(engine_config: EngineConfig, options: ServerOptions) -> int:
+    """Load, serve until signalled; returns the exit status (1, with the reason logged, if start-up fails)."""
+    try:
+        engine = load_engine(engine_config)
+    except Exception as e:  # a bad path, a broken checkpoint, no memory: say what, exit non-zero
+        log.error("cannot load the model: %s: %s", type(e).__name__, e)
+        return 1
+    try:
+        asyncio.run(serve_until_signalled(engine, options))
+    except Exception as e:  # e.g. the port is taken
+        log.error("cannot serve: %s: %s", type(e).__name__, e)
+        return 1
+    return 0
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        engine_config, options = config_from_args(args)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as e:
+        setup_logging("INFO")
+        log.error("invalid configuration: %s", e)
+        return 2
+    setup_logging(options.log_level)
+    return run(engine_config, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
