@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from mtpserve.workers.attention import AttentionMetadata
+from mtpserve.workers.device import to_device
 
 
 def build_metadata(
@@ -28,11 +29,11 @@ def build_metadata(
         block_table[i, : len(table)] = table
     slots = block_table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     meta = AttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(block_table).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=to_device(qsl, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_tables=to_device(block_table, torch.int32, device),
+        slot_mapping=to_device(slots, torch.int64, device),
         max_query_len=int(query_lens.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
     )
-    return torch.from_numpy(positions).to(device), meta
+    return to_device(positions, torch.int64, device), meta

@@ -14,6 +14,7 @@ import torch
 
 from mtpserve.cluster.types import StepPlan, StepResult
 from mtpserve.workers.batch import build_metadata
+from mtpserve.workers.device import to_device
 from mtpserve.workers.drafter import Drafter, TargetRows
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
@@ -89,14 +90,14 @@ class ModelRunner:
         host: list[int] = []
         for r, s, k, dd in zip(reqs, starts.tolist(), n.tolist(), d.tolist()):
             host += r.token_ids[s : s + k] + [0] * dd
-        input_ids = torch.tensor(host, dtype=torch.long, device=self.device)
+        input_ids = to_device(host, torch.long, self.device)
         first_row = np.concatenate(([0], np.cumsum(qlens)[:-1]))
         if d.any():  # drafts never left the device: gather them into their rows
             req_rep = np.repeat(np.arange(len(reqs)), d)
             j = np.arange(d.sum()) - np.repeat(np.cumsum(d) - d, d)
-            rows = torch.from_numpy(first_row[req_rep] + n[req_rep] + j).to(self.device)
-            slots = torch.tensor([reqs[i].slot for i in req_rep], device=self.device)
-            input_ids[rows] = self.slots.draft_tokens[slots, torch.from_numpy(j).to(self.device)]
+            rows = to_device(first_row[req_rep] + n[req_rep] + j, torch.long, self.device)
+            slots = to_device([reqs[i].slot for i in req_rep], torch.long, self.device)
+            input_ids[rows] = self.slots.draft_tokens[slots, to_device(j, torch.long, self.device)]
         return self.model.target(input_ids, positions, meta, self.kv.target), first_row
 
     def _verify(self, reqs: list[CachedRequest], final: list[bool], hidden: torch.Tensor, window_row: np.ndarray,
@@ -106,17 +107,17 @@ class ModelRunner:
         if not f_idx:
             return StepResult()
         f_reqs, dev = [reqs[i] for i in f_idx], self.device
-        num_drafts = torch.tensor(d[f_idx], device=dev)
+        num_drafts = to_device(d[f_idx], torch.long, dev)
         k = int(d[f_idx].max())
         win = np.minimum(window_row[f_idx][:, None] + np.arange(k + 1), window_row[f_idx][:, None] + d[f_idx][:, None])
-        raw = self.model.target.logits(hidden[torch.from_numpy(win.reshape(-1)).to(dev)])  # [F*(K+1), V]
+        raw = self.model.target.logits(hidden[to_device(win.reshape(-1), torch.long, dev)])  # [F*(K+1), V]
         st = sampling_tensors(f_reqs, self.vocab, dev)
-        slots = torch.tensor([r.slot for r in f_reqs], device=dev)
+        slots = to_device([r.slot for r in f_reqs], torch.long, dev)
         draft_ids = self.slots.draft_tokens[slots, :k]
         logits = self._penalised(raw, st, slots, draft_ids, k) if st.use_penalties else raw
         st_rows = st.take(torch.arange(len(f_reqs), device=dev).repeat_interleave(k + 1))
         probs = to_probs(logits, st_rows).view(len(f_reqs), k + 1, -1)
-        frontier = torch.tensor([len(r.token_ids) for r in f_reqs], device=dev)[:, None]
+        frontier = to_device([len(r.token_ids) for r in f_reqs], torch.long, dev)[:, None]
         seed = st.seed[:, None]
         tokens, accepted = verify(
             probs, logits.argmax(-1).view(len(f_reqs), k + 1), draft_ids, self.slots.q_ids[slots, :k],
@@ -155,7 +156,7 @@ class ModelRunner:
             if r.params.logprobs is None:
                 out.append(None)
                 continue
-            chosen = torch.tensor(toks, device=self.device)
+            chosen = to_device(toks, torch.long, self.device)
             lp, ids, vals = logprobs_topn(raw[i, : len(toks)], chosen, r.params.logprobs)
             out.append([{**dict(zip(ti, tv)), c: cl} for c, cl, ti, tv in
                         zip(toks, lp.tolist(), ids.tolist(), vals.tolist())])

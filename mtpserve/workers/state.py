@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mtpserve.cluster.types import NewRequest
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
+from mtpserve.workers.device import to_device
 from mtpserve.workers.sampling import SamplingTensors
 
 
@@ -68,7 +70,7 @@ class SlotBuffers:
     def count_tokens(self, slots: list[int], tokens: list[int]) -> None:
         """Add accepted output tokens to the penalty counts (sampler state advances on accepted tokens only)."""
         if self._counts is not None and tokens:
-            idx = torch.tensor(slots, device=self.device) * self.vocab + torch.tensor(tokens, device=self.device)
+            idx = to_device(np.array(slots) * self.vocab + np.array(tokens), torch.long, self.device)
             self._counts.view(-1).index_add_(0, idx, torch.ones(len(tokens), device=self.device))
 
     def _init_penalty_state(self, slot: int, req: NewRequest) -> None:
@@ -88,7 +90,7 @@ def sampling_tensors(reqs: list[CachedRequest], vocab: int, device: torch.device
     ps = [r.params for r in reqs]
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     return SamplingTensors(
         temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32),
