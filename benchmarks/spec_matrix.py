@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Speculation matrix: k = 0..4 draft tokens x concurrency 1, 8, 32, 128 through the engine.
+
+    python benchmarks/spec_matrix.py                           # the embedded default model, GPU if any
+    python benchmarks/spec_matrix.py --model DIR --prompts prompts.jsonl --temperature 0.7
+    python benchmarks/spec_matrix.py --tiny --device cpu       # a tiny code model trained now, seconds
+    python benchmarks/spec_matrix.py --grpc localhost:50051    # a running server, through the gRPC API
+
+By default this measures the in-process engine: one LLMEngine (the object LLM wraps) is built here
+and its step() is driven by this script, which timestamps every token when step() hands it back; no
+server, network or client is in those numbers. With --grpc HOST:PORT it measures a running server
+(`mtpserve serve ...`) through mtpserve.cluster.client.AsyncClient instead, timestamping each
+streamed chunk on arrival; the server's own engine settings (max_num_seqs, device, ...) then apply,
+and the per-position acc@j columns stay empty (the API reports accepted drafts and verify steps per
+request, not per position; AL is computed from those).
+
+For each concurrency C, a closed loop keeps C requests in flight (a finished request is replaced by
+the next one at once) until max(--min-requests, --requests-per-slot * C) requests have finished;
+every request generates --max-tokens tokens (eos ignored) from a held-out stdlib function prompt
+(as in acceptance.py) or --prompts FILE. k is set per request (SamplingParams.num_speculative_tokens)
+on one engine, so every cell runs on the same weights and KV pool.
+
+Columns, the table form of DeepSeek's MTP0..MTP4 reports:
+  out tok/s   generated tokens / wall time of the cell
+  TTFT        submission -> first token, per request (ms, p50 / p99)
+  TPOT        (last token time - first token time) / (tokens - 1), per request (ms, p50 / p99)
+  AL          acceptance length, 1 + accepted drafts / verify steps (k = 0: 1)
+  acc@j       fraction of verify steps whose draft j was accepted
+  speedup     out tok/s against k = 0 at the same concurrency
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import workloads  # noqa: E402
+from common import Table, check, percentile  # noqa: E402
+
+import torch  # noqa: E402
+
+from mtpserve.cluster.engine import LLMEngine  # noqa: E402
+from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
+from mtpserve.sampling_params import SamplingParams  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(p)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: mtpserve/default_model)")
+    p.add_argument("--prompts", default="stdlib", help="'stdlib' (held-out functions) or a prompt file")
+    p.add_argument("--prompt-lines", type=int, default=2)
+    p.add_argument("--ks", default="0,1,2,3,4")
+    p.add_argument("--concurrency", default="1,8,32,128")
+    p.add_argument("--requests-per-slot", type=int, default=2, help="requests per cell = this x concurrency ...")
+    p.add_argument("--min-requests", type=int, default=8, help="... but at least this many")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grpc", default=None, metavar="HOST:PORT", help="measure a running server instead")
+    p.add_argument("--token", default=None, help="bearer token for --grpc (default: $MTPSERVE_AUTH_TOKEN)")
+    args = p.parse_args(argv)
+    common.tiny_defaults(p, args, concurrency="1,4", max_tokens=16, min_requests=4)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = common.pick_device(args.device, args.tiny)
+    ks, concurrency = common.parse_ints(args.ks), common.parse_ints(args.concurrency)
+    cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
+    with tempfile.TemporaryDirectory(prefix="mtpserve-spec-matrix-") as tmp:
+        if args.grpc:
+            drive, name, close = _grpc_target(args, max(ks))
+        else:
+            drive, name, close = _engine_target(args, device, Path(tmp), max(concurrency), max(ks))
+        prompts = workloads.get_prompts(args.prompts, max(cells.values()), args.prompt_lines)
+        where = f"server {args.grpc}" if args.grpc else f"device {common.device_name(device)}"
+        print(f"model {name}; {where}; requests per cell {cells}")
+
+        def jobs(k: int, n: int, max_tokens: int) -> list[workloads.Job]:
+            return [workloads.Job(p, SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
+                                                    ignore_eos=True, num_speculative_tokens=k, seed=args.seed + i))
+                    for i, p in enumerate(prompts[:n])]
+
+        for k in ks:  # warm-up, not measured: Triton compilation, allocator growth
+            w = min(8, max(concurrency))
+            drive(jobs(k, w, 8), w, f"warm{k}")
+
+        table = Table(f"spec matrix: {name}, {args.max_tokens} tokens per request, "
+                      f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}",
+                      ["MTP", "conc", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "AL",
+                       *[f"acc@{j + 1}" for j in range(max(ks))], "speedup"])
+        for c in concurrency:
+            base = None
+            for k in ks:
+                run = drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}")
+                check(all(len(t.token_ids) == args.max_tokens for t in run.traces), "every request emits max_tokens")
+                check(k == 0 or run.spec.num_drafts > 0, f"k = {k} verified no drafts")
+                check(k > 0 or run.spec.num_drafts == 0, "k = 0 verified drafts")
+                ttft = [t.ttft * 1e3 for t in run.traces]
+                tpot = [t.tpot * 1e3 for t in run.traces if t.tpot is not None]
+                base = run.tokens_per_s if k == 0 else base
+                rates = run.position_rates(k) + [float("nan")] * (max(ks) - k)
+                table.add(f"MTP{k}", str(c), str(cells[c]), f"{run.tokens_per_s:.1f}", percentile(ttft, 50),
+                          percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
+                          run.spec.acceptance_length, *rates, run.tokens_per_s / base if base else None)
+                print(f"MTP{k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, "
+                      f"{run.wall:.1f} s")
+        close()
+
+    notes = [f"model: {args.model or ('tiny code model trained by the script' if args.tiny else 'default model')}; "
+             f"prompts: {args.prompts}",
+             f"gRPC server {args.grpc} (mtpserve.cluster.client), closed loop of `conc` requests in flight"
+             if args.grpc else
+             "in-process engine (LLMEngine.step driven by the script), closed loop of `conc` requests in flight",
+             "TTFT/TPOT in ms, from the moment " + ("each streamed chunk arrives (the device line is this client's)"
+                                                   if args.grpc else "step() returns the tokens")
+             + "; percentiles interpolated over requests"]
+    common.report(args, "spec_matrix", device, [table], notes)
+    return 0
+
+
+Driver = Callable[[list[workloads.Job], int, str], workloads.Run]
+
+
+def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,
+                   max_k: int) -> tuple[Driver, str, Callable[[], None]]:
+    model = workloads.resolve_model(args.model, args.tiny, tmp)
+    engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype, max_num_seqs=max_seqs,
+                                    seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens))
+    check(engine.tokenizer is not None, f"{model} has no tokenizer.json: text prompts cannot be encoded")
+    check(engine.model_config.mtp.num_modules > 0 or max_k == 0, f"{model} has no MTP modules")
+    return (lambda jobs, c, prefix: workloads.drive(engine, jobs, c, prefix)), model.name, engine.shutdown
+
+
+def _grpc_target(args: argparse.Namespace, max_k: int) -> tuple[Driver, str, Callable[[], None]]:
+    from mtpserve.cluster.client import Client
+
+    token = args.token or os.environ.get("MTPSERVE_AUTH_TOKEN")
+    with Client(args.grpc, token=token, timeout=30) as client:
+        info = client.model_info()
+    check(info.has_tokenizer, f"the server's model {info.name} has no tokenizer: text prompts cannot be sent")
+    check(info.num_mtp_modules > 0 or max_k == 0, f"the server's model {info.name} has no MTP modules")
+    check(max_k <= info.max_num_speculative_tokens, f"the server allows at most {info.max_num_speculative_tokens} drafts")
+    return (lambda jobs, c, _prefix: workloads.drive_grpc(args.grpc, jobs, c, token)), info.name, lambda: None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

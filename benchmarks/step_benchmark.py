@@ -1,0 +1,268 @@
+#!/usr/bin/env python
+"""One verify step of an 8B-shaped target + 3 MTP modules against the DESIGN.md §6 floor.
+
+    python benchmarks/step_benchmark.py                      # Llama-3-8B shapes, bf16, on cuda (~17.5 GB)
+    python benchmarks/step_benchmark.py --tiny --device cpu  # tiny shapes, seconds
+
+Random weights are made on the device (modules built on the meta device, materialised with
+to_empty, then filled): nothing 16 GB ever exists on the host. ModelRunner.execute is driven
+directly with hand-built StepPlans, as the scheduler would send them: B new requests with --context
+random prompt tokens are prefilled (that step samples one token and drafts k), then every timed step
+verifies a window of 1 + k tokens per request (num_tokens 1, num_drafts k), and drafts k again.
+Weights are random, so drafts are rejected and each step emits one token per request; the work a
+step does (target over B*(k+1) rows, k drafter passes) does not depend on acceptance.
+
+Columns: step (median, CUDA events), target/draft (the runner's own phase split), the floor =
+(bytes a step must read) / (bandwidth measured here by a large device-to-device copy), and
+step/floor. Bytes read: every target weight but the embedding table (rows are gathered), plus per
+draft j the MTP module's weights and the shared LM head again (each draft is its own head matmul),
+plus the KV the target and each drafting module attend over. A torch.profiler table splits one
+verify step (--profile-batch, --profile-k) into its top kernels by self device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import Table, check, gb  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from mtpserve.cluster.types import NewRequest, StepPlan  # noqa: E402
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams  # noqa: E402
+from mtpserve.workers.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from mtpserve.workers.models.config import ModelConfig  # noqa: E402
+from mtpserve.workers.models.decoder import TargetModel  # noqa: E402
+from mtpserve.workers.models.loader import LoadedModel  # noqa: E402
+from mtpserve.workers.models.mtp import MTPStack  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(p)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--mtp", type=int, default=3, help="MTP modules")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--drafts", default="0,1,2,3", help="k values: windows of k + 1 tokens")
+    p.add_argument("--context", type=int, default=1024, help="prefilled tokens per request")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens per prefill step")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--bandwidth-gb", type=float, default=4.0, help="size of the copy that measures bandwidth")
+    p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--profile-k", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled; the table is per step")
+    p.add_argument("--top", type=int, default=15, help="rows of the profile table")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    common.tiny_defaults(p, args, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                         vocab=512, batches="1,4", context=64, iters=5, warmup=1, bandwidth_gb=0.1,
+                         profile_batch=4, profile_steps=1)
+    return args
+
+
+def hf_config(a: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": a.vocab, "hidden_size": a.hidden,
+        "intermediate_size": a.intermediate, "num_hidden_layers": a.layers, "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": max(8192, a.context + 1024), "rope_theta": 500000.0,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": a.mtp,
+    }
+
+
+@torch.no_grad()
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    """Random weights straight on the device: meta modules -> to_empty -> fill (no default init, no host copy)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            target = TargetModel(cfg)
+            mtp = MTPStack(cfg, target.rotary)
+    finally:
+        torch.set_default_dtype(old)
+    target.to_empty(device=device)
+    mtp.to_empty(device=device)
+    target.rotary.reset()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in (target, mtp):
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:  # std 0.02 like HF's init: bounded activations, no inf/nan through 32 layers
+                param.normal_(0.0, 0.02, generator=gen)
+    return LoadedModel(cfg, target.eval(), mtp.eval())
+
+
+def nbytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+class Driver:
+    """Builds the StepPlans the scheduler would send, for one runner reused across configurations."""
+
+    def __init__(self, runner: ModelRunner, cfg: ModelConfig, blocks_per_req: int, seed: int) -> None:
+        self.runner, self.cfg, self.blocks_per_req = runner, cfg, blocks_per_req
+        self.groups = 1 + runner.config.num_mtp_modules
+        self.rng = np.random.default_rng(seed)
+        self.live: list[str] = []
+        self.serial = 0
+
+    def prefill(self, batch: int, k: int, context: int, chunk_tokens: int) -> None:
+        """Drop the previous configuration's requests, add `batch` new ones and prefill them."""
+        freed, self.live = self.live, []
+        per_step = max(1, chunk_tokens // context)
+        for lo in range(0, batch, per_step):
+            new = []
+            for i in range(lo, min(batch, lo + per_step)):
+                blocks = list(range(i * self.blocks_per_req, (i + 1) * self.blocks_per_req))
+                rid = f"r{self.serial}"
+                self.serial += 1
+                tokens = self.rng.integers(0, self.cfg.vocab_size, context).tolist()
+                new.append(NewRequest(rid, tokens, context, GREEDY, k, self.serial, [blocks] * self.groups))
+            ids = [n.request_id for n in new]
+            plan = StepPlan(new, ids, [context] * len(new), [0] * len(new),
+                            [[[] for _ in range(self.groups)] for _ in new], freed)
+            result = self.runner.execute(plan)
+            check(result.req_ids == ids, "every prefilled request samples its first token")
+            self.live += ids
+            freed = []
+
+    def verify_step(self, k: int) -> None:
+        n = len(self.live)
+        plan = StepPlan([], list(self.live), [1] * n, [k] * n, [[[] for _ in range(self.groups)] for _ in range(n)])
+        result = self.runner.execute(plan)
+        check(result.req_ids == self.live, "every request verifies")
+        check(all(0 <= a <= k and len(t) == a + 1 for a, t in zip(result.num_accepted, result.token_ids)),
+              f"a window of {k} drafts emits accepted + 1 tokens")
+        check(all(0 <= x < self.cfg.vocab_size for t in result.token_ids for x in t), "token ids in the vocabulary")
+        self.last = result
+
+
+def floor_bytes(model: LoadedModel, batch: int, k: int, context: int, dtype_size: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one verify step with k drafts must read (see the module docstring)."""
+    cfg, target = model.config, model.target
+    weights = nbytes(target) - target.embed_tokens.weight.numel() * dtype_size
+    modules = [min(j, len(model.mtp) - 1) for j in range(k)]  # depth chain, recursing on the last module
+    head = target.lm_head.weight.numel() * dtype_size
+    weights += sum(nbytes(model.mtp.mtp[m]) + head for m in modules)
+    kv_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_size
+    kv = batch * (context + k + 1) * kv_token_layer * (cfg.num_layers + len(modules))
+    return weights, kv
+
+
+def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top: int) -> Table:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            driver.verify_step(k)
+        common.sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")]
+    total = sum(getattr(e, key) for e in events)
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    where = "device" if cuda else "CPU"
+    t = Table(f"one verify step (batch {len(driver.live)}, k={k}), top ops by self {where} time, "
+              f"mean of {steps} steps; total {total / steps / 1e3:.2f} ms",
+              ["op / kernel", "ms/step", "%", "calls/step"])
+    for e in events[:top]:
+        name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
+        t.add(name, getattr(e, key) / steps / 1e3, f"{100 * getattr(e, key) / total:.1f}", f"{e.count / steps:g}")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = common.pick_device(args.device, args.tiny)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches, ks = common.parse_ints(args.batches), sorted(set(common.parse_ints(args.drafts)))
+    check(max(ks) <= MAX_SPECULATIVE_TOKENS and min(ks) >= 0, "--drafts must be in [0, 8]")
+    cfg = ModelConfig.from_dict(hf_config(args))
+    torch.manual_seed(args.seed)
+
+    bw = common.measure_bandwidth(device, int(args.bandwidth_gb * 1e9))
+    model = build_model(cfg, dtype, device, args.seed)
+    dsize = torch.finfo(dtype).bits // 8
+    print(f"device {common.device_name(device)}; copy bandwidth {bw / 1e12:.3f} TB/s; weights: target "
+          f"{gb(nbytes(model.target)):.2f} GB, MTP {gb(nbytes(model.mtp)):.2f} GB ({dtype})")
+
+    steps_total = args.warmup + args.iters + 2 + max(args.profile_steps, 0)
+    # Room for the context, every timed step's window, and the drafter's writes past the frontier.
+    positions = args.context + steps_total * (max(ks) + 1) + 2 * MAX_SPECULATIVE_TOKENS
+    blocks_per_req = math.ceil(positions / args.block_size)
+    max_batch = max(batches + [args.profile_batch])
+    runner = ModelRunner(model, RunnerConfig(blocks_per_req * max_batch, args.block_size, max_batch, len(model.mtp),
+                                             "depth", 32), dtype, device)
+    driver = Driver(runner, cfg, blocks_per_req, args.seed)
+
+    # Warm-up of every window shape once (Triton compiles per tile shape, the allocator grows, host
+    # pages are first touched), so the first timed configuration pays for none of it.
+    for k in ks:
+        driver.prefill(min(2, max_batch), k, args.context, args.prefill_tokens)
+        for _ in range(max(args.warmup, 1)):
+            driver.verify_step(k)
+
+    table = Table(f"verify step, context {args.context}, bandwidth {bw / 1e12:.2f} TB/s (copy)",
+                  ["batch", "k", "window", "step ms", "target ms", "draft ms", "vs k=0", "weights GB", "KV GB",
+                   "floor ms", "step/floor", "tok/s @AL=k+1"])
+    for batch in batches:
+        base = None
+        for k in ks:
+            driver.prefill(batch, k, args.context, args.prefill_tokens)
+            phases: list[tuple[float, float]] = []
+
+            def step() -> None:
+                driver.verify_step(k)
+                phases.append((driver.last.target_seconds, driver.last.draft_seconds))
+
+            times = common.time_ms(step, device, args.warmup, args.iters)
+            ms = common.median(times)
+            base = ms if k == 0 else base
+            tgt, drf = (common.median([p[i] * 1e3 for p in phases[args.warmup:]]) for i in (0, 1))
+            w, kv = floor_bytes(model, batch, k, args.context, dsize)
+            floor_ms = (w + kv) / bw * 1e3
+            table.add(str(batch), str(k), str(k + 1), ms, tgt, drf, ms / base if base else None,
+                      gb(w), gb(kv), floor_ms, ms / floor_ms, f"{batch * (k + 1) / ms * 1e3:.0f}")
+            print(f"batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), floor {floor_ms:.2f} ms")
+
+    tables = [table]
+    if args.profile_steps > 0:
+        driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
+        for _ in range(args.warmup):
+            driver.verify_step(args.profile_k)
+        tables.append(profile_table(driver, device, args.profile_k, args.profile_steps, args.top))
+
+    notes = [f"target: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
+             f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
+             f"{len(model.mtp)} MTP modules; {dtype}; random weights",
+             f"measured copy bandwidth {bw / 1e12:.3f} TB/s ((read + write) / time, {args.bandwidth_gb:g} GB copy)",
+             f"step = median of {args.iters} after {args.warmup} warm-up; target/draft = the runner's phase timers; "
+             "tok/s @AL=k+1 is the ceiling if every draft were accepted",
+             "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth"]
+    common.report(args, "step_benchmark", device, tables, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
