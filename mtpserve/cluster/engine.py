@@ -82,9 +82,10 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0, preemptions = time.perf_counter(), self.scheduler.num_preemptions
         plan = self.scheduler.schedule()
-        stats = StepStats(schedule_seconds=time.perf_counter() - t0, num_prompt_tokens=self._prompt_tokens(plan))
+        stats = StepStats(schedule_seconds=time.perf_counter() - t0, num_prompt_tokens=self._prompt_tokens(plan),
+                          num_preemptions=self.scheduler.num_preemptions - preemptions)
         result = self.executor.execute(plan) if plan.req_ids or plan.freed_ids else StepResult()
         return self._postprocess(plan, result, stats)
 
@@ -104,7 +105,7 @@ class LLMEngine:
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_usage, stats.batch_size = self.blocks.usage(), len(plan.req_ids)
         stats.num_generation_tokens = sum(len(o.new_token_ids) for o in outputs)
-        stats.num_preemptions, stats.spec = self.scheduler.num_preemptions, step_spec
+        stats.spec = step_spec
         stats.target_seconds, stats.draft_seconds = result.target_seconds, result.draft_seconds
         self.last_stats = stats
         return outputs

@@ -45,7 +45,6 @@ class ServerOptions:
     auth_token_file: str | None = None  # the token from a file (a mounted Kubernetes secret)
     tls_cert_file: str | None = None  # PEM certificate chain: serve TLS instead of plaintext
     tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None  # PEM CA bundle: also require client certificates (mTLS)
     shutdown_grace_seconds: float = 5.0
     log_level: str = "INFO"
 
@@ -195,10 +194,8 @@ class Replica:
         else:
             if not o.tls_key_file:
                 raise ValueError("tls_key_file: required with tls_cert_file")
-            ca = Path(o.tls_client_ca_file).read_bytes() if o.tls_client_ca_file else None
             creds = grpc.ssl_server_credentials([(Path(o.tls_key_file).read_bytes(),
-                                                  Path(o.tls_cert_file).read_bytes())],
-                                                root_certificates=ca, require_client_auth=ca is not None)
+                                                  Path(o.tls_cert_file).read_bytes())])
             port = self.grpc_server.add_secure_port(address, creds)
         if port == 0:
             raise OSError(f"port: cannot bind {address}")
