@@ -38,8 +38,8 @@ class OutputProcessor:
         tokens after the one that completed it are dropped.
         """
         out, state = self.outputs[req.request_id], self._text[req.request_id]
-        kept = self._detokenize(state, new_tokens)
-        if kept < len(new_tokens) or (state.stops and _find_stop(state.full, state.stops, 0) is not None):
+        kept, stopped = self._detokenize(state, new_tokens)
+        if stopped:
             req.finish_reason = "stop"
         out.new_token_ids = new_tokens[:kept]
         out.token_ids += out.new_token_ids
@@ -62,21 +62,21 @@ class OutputProcessor:
         return out
 
     @staticmethod
-    def _detokenize(state: _TextState, new_tokens: list[int]) -> int:
-        """Append the tokens' text to state.full; returns how many tokens are kept."""
+    def _detokenize(state: _TextState, new_tokens: list[int]) -> tuple[int, bool]:
+        """Append the tokens' text to state.full -> (tokens kept, whether a stop string ended it)."""
         if state.detok is None:
-            return len(new_tokens)
+            return len(new_tokens), False
         if not state.stops:
             state.full += state.detok.push(new_tokens)
-            return len(new_tokens)
+            return len(new_tokens), False
         for i, token in enumerate(new_tokens):  # token by token, so the text can end exactly before a stop
             before = len(state.full)
             state.full += state.detok.push([token])
             cut = _find_stop(state.full, state.stops, before)
             if cut is not None:
                 state.full = state.full[:cut]
-                return i + 1
-        return len(new_tokens)
+                return i + 1, True
+        return len(new_tokens), False
 
     @staticmethod
     def _emit_text(out: RequestOutput, state: _TextState, flush: bool) -> None:
