@@ -2,6 +2,7 @@
 
     mtpserve serve --model ./ckpt --port 50051 --metrics-port 9400 [--config serve.yaml]
     mtpserve generate --address localhost:50051 "Once upon a time" --max-tokens 64 --temperature 0
+    mtpserve generate "def fibonacci(n):"     # no --address: the default model, in this process
     mtpserve bench --address localhost:50051 --concurrency 16 --num-requests 128 --output-len 128
 """
 
@@ -16,15 +17,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 DEFAULT_ADDRESS = "localhost:50051"
 AUTH_TOKEN_ENV = "MTPSERVE_AUTH_TOKEN"  # same as serve.AUTH_TOKEN_ENV (not imported: serve pulls in torch)
 
 
 # -- shared client flags ----------------------------------------------------------------------------
-def _add_client_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help=f"server host:port (default {DEFAULT_ADDRESS})")
+def _add_client_arguments(p: argparse.ArgumentParser, address: str | None = DEFAULT_ADDRESS) -> None:
+    where = f"default {address}" if address else "default: no server, run the model in this process"
+    p.add_argument("--address", default=address, help=f"server host:port ({where})")
     p.add_argument("--token", default=None, help=f"bearer token (default: ${AUTH_TOKEN_ENV})")
     p.add_argument("--tls-ca-file", type=Path, default=None, help="PEM CA certificate: connect with TLS")
     p.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
@@ -55,24 +57,59 @@ def _sampling(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 # -- generate -------------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one completion: from the server at --address, or (without it) from an engine in this process."""
     import grpc
 
-    from mtpserve.cluster.client import Client
+    from mtpserve.errors import MTPServeError
 
     prompt: str | list[int] = [int(t) for t in args.prompt.replace(",", " ").split()] if args.token_ids \
         else args.prompt
     params = _sampling(args, ignore_eos=True) if args.ignore_eos else _sampling(args)
-    last = None
     try:
+        if args.address is None:
+            return _generate_in_process(args, prompt, params)
+        from mtpserve.cluster.client import Client
+
         with Client(args.address, **_client_kwargs(args)) as client:
-            as_text = client.model_info().has_tokenizer  # a model without tokenizer.json streams token ids
-            for delta in client.stream(prompt, params):
-                sys.stdout.write(delta.text if as_text else "".join(f"{t} " for t in delta.token_ids))
-                sys.stdout.flush()
-                last = delta
+            return _print_stream(client.model_info().has_tokenizer, client.stream(prompt, params))
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+    except (MTPServeError, ValueError, OSError) as e:  # in process: bad settings, a checkpoint that won't load
+        print(f"\nerror: {e}", file=sys.stderr)
+    return 1
+
+
+def _generate_in_process(args: argparse.Namespace, prompt: str | list[int], params: dict[str, Any]) -> int:
+    from mtpserve.cluster.client import StreamDelta, Usage
+    from mtpserve.cluster.engine_config import EngineConfig
+    from mtpserve.cluster.serve import load_engine, setup_logging
+    from mtpserve.sampling_params import SamplingParams
+
+    sampling = SamplingParams(**params)  # validate before the (slow) model load
+    setup_logging("INFO")  # start-up progress on stderr; the completion alone goes to stdout
+    engine = load_engine(EngineConfig(model=args.model, device=args.device))
+
+    def deltas() -> Iterator[StreamDelta]:
+        engine.add_request("generate", prompt, sampling)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                usage = Usage(len(out.prompt_token_ids), len(out.token_ids), out.accepted_tokens, out.num_steps)
+                yield StreamDelta(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs,
+                                  out.finish_reason, usage if out.finished else None)
+
+    try:
+        return _print_stream(engine.tokenizer is not None, deltas())
+    finally:
+        engine.shutdown()
+
+
+def _print_stream(as_text: bool, deltas: Iterable[Any]) -> int:
+    """Text as it arrives (token ids for a model without tokenizer.json); the usage line on stderr."""
+    last = None
+    for delta in deltas:
+        sys.stdout.write(delta.text if as_text else "".join(f"{t} " for t in delta.token_ids))
+        sys.stdout.flush()
+        last = delta
     sys.stdout.write("\n")
     if last is not None and last.usage is not None:
         u = last.usage
@@ -216,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="prompt text (or token ids with --token-ids)")
     p.add_argument("--token-ids", action="store_true", help="the prompt is token ids: '1 2 3' or '1,2,3'")
     p.add_argument("--ignore-eos", action="store_true")
-    _add_client_arguments(p)
+    p.add_argument("--model", default=None, help="in process (no --address): checkpoint directory "
+                   "(default: the embedded default model)")
+    p.add_argument("--device", default="auto", help="in process: cpu, cuda or auto")
+    _add_client_arguments(p, address=None)
     _add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
 

@@ -76,6 +76,9 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     # -- called from any thread -------------------------------------------------------------------
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float,
             sink: Sink) -> None:

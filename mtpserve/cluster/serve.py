@@ -239,17 +239,57 @@ class ServerThread:
     def metrics_port(self) -> int:
         return self.replica.metrics_port
 
+    def healthy(self) -> bool:
+        loop = self.replica.engine_loop
+        return self._thread.is_alive() and loop is not None and loop.is_alive()
+
     def stop(self, grace: float = 0.0, timeout: float = 60.0) -> None:
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self.replica.stop(grace), self.loop).result(timeout)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
+            self.loop.close()
 
     def __enter__(self) -> "ServerThread":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class RayServeReplica:
+    """The body of the Ray Serve deployment that a KubeRay RayService runs (deploy/kuberay/rayservice.yaml).
+
+    Ray Serve only supervises here: it places the replica, restarts it when check_health fails and
+    rolls it on upgrades. Requests do not pass through Serve's proxies; the replica serves its own gRPC
+    and metrics ports, as `python -m mtpserve.cluster.serve` does.
+    """
+
+    def __init__(self, config: str | None = None, **overrides: Any) -> None:
+        engine_config, options = load_config(Path(config) if config else None, overrides)
+        setup_logging(options.log_level)
+        self.server = ServerThread(load_engine(engine_config), options, start_timeout=600.0)
+
+    def check_health(self) -> None:
+        if not self.server.healthy():
+            raise RuntimeError("the engine or gRPC thread has stopped")
+
+    def shutdown(self) -> None:
+        self.server.stop(grace=self.server.replica.options.shutdown_grace_seconds)
+
+    def __del__(self) -> None:  # Ray Serve deletes the replica object on scale-down and upgrades
+        if hasattr(self, "server"):
+            self.shutdown()
+
+
+def build_ray_serve_app(args: dict[str, Any]) -> Any:
+    """Ray Serve application builder (`import_path: mtpserve.cluster.serve:build_ray_serve_app`); args are
+    `config` (a YAML path) plus any config keys, which override the file's."""
+    from ray import serve  # needs ray[serve]; only RayService deployments use it
+
+    deployment = serve.deployment(name="mtpserve", num_replicas=1, health_check_period_s=10,
+                                  health_check_timeout_s=30, graceful_shutdown_timeout_s=30)(RayServeReplica)
+    return deployment.bind(**dict(args))
 
 
 # -- the process ------------------------------------------------------------------------------------

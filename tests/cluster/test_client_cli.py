@@ -74,6 +74,15 @@ def test_generate_streams_the_text(server: ServerThread, ckpt: Path) -> None:
     assert "[length: 3 prompt + 16 generated tokens" in r.stderr
 
 
+def test_generate_in_process_without_a_server(ckpt: Path) -> None:
+    want = LLM(str(ckpt)).generate("w9 w10", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    r = run_cli("generate", "--model", str(ckpt), "w9 w10", "--max-tokens", "12", "--temperature", "0",
+                "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.text + "\n"
+    assert re.search(r"loading .*tiny-mtp", r.stderr) and re.search(r"model loaded in [\d.]+ s", r.stderr)
+
+
 def test_generate_reports_bad_input(server: ServerThread) -> None:
     r = run_cli("generate", "--address", f"127.0.0.1:{server.port}", "--token-ids", "5,6,99", "--max-tokens", "4")
     assert r.returncode == 1
