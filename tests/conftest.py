@@ -26,6 +26,18 @@ def trained_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Trained so briefly that the MTP modules are right about a third of the time: drafts are
+    accepted and rejected in every pattern, which is what equivalence and replay must survive."""
+    path = tmp_path_factory.mktemp("partly_trained")
+    cfg = tiny_config(vocab_size=64, num_mtp=3)
+    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0,
+                             seq_len=32, batch_size=16, lr=1e-2)
+    save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
+    return path
+
+
 def prompts_of(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]

@@ -8,26 +8,12 @@ import pytest
 import torch
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.workers.models.train import synthetic_tokens, tiny_config, train_tiny
-from mtpserve.workers.models.writer import save_checkpoint
 from tests.checkpoints import load_hf_model
 from tests.conftest import prompts_of
 from tests.reference import DEEPSEEK, Reference
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LENGTHS = [1, 2, 3, 5, 7, 9, 12, 15, 17, 20, 23, 26, 30, 33, 38, 41, 47, 52, 60, 64, 4, 11]
-
-
-@pytest.fixture(scope="module")
-def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Trained so briefly that the MTP modules are right about a third of the time: drafts are
-    accepted and rejected in every pattern, which is what equivalence and replay must survive."""
-    path = tmp_path_factory.mktemp("partly_trained")
-    cfg = tiny_config(vocab_size=64, num_mtp=3)
-    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0,
-                             seq_len=32, batch_size=16, lr=1e-2)
-    save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
-    return path
 
 
 def _generate(path: Path, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
