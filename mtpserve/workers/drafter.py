@@ -6,11 +6,16 @@ positions [0, N'-m-1). Each step it recomputes from its last committed position 
 position p = N'-2; entries there that used drafts are overwritten next step. Module m+1 needs g^m at
 one position module m committed in an earlier step: that row is kept in the slot's `carry`.
 Prefill chunks run the same code, so the first drafts come out of the prefill step itself.
+
+The modules may live on several devices (the drafter group, DESIGN.md §2): then every process runs
+this same loop over the same per-request state, computes only the passes of the modules it owns
+(`link.owns`), keeps the host bookkeeping of all of them, and hands the chain on through the link.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,7 +23,7 @@ from torch import nn
 
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.batch import build_metadata
-from mtpserve.workers.chain import chain_steps
+from mtpserve.workers.chain import ChainStep, chain_steps
 from mtpserve.workers.models.mtp import MTPStack
 from mtpserve.workers.sampling import STREAM_DRAFT, apply_penalties, sample, to_probs, top_m, uniforms
 from mtpserve.workers.state import CachedRequest, SlotBuffers, sampling_tensors
@@ -28,9 +33,30 @@ from mtpserve.workers.state import CachedRequest, SlotBuffers, sampling_tensors
 class TargetRows:
     """Where each scheduled request's target hidden states sit in this step's flat batch."""
 
-    hidden: torch.Tensor  # [T, H] hidden states to hand to module 0 (pre- or post-norm per checkpoint)
+    hidden: torch.Tensor | None  # [T, H] hidden states for module 0 (pre- or post-norm); None where not needed
     first_row: np.ndarray  # [R] row of each request's first query
     first_pos: np.ndarray  # [R] position of that row
+
+
+@dataclass
+class ModulePlan:
+    """Host-side layout of one module pass: identical on every process that tracks the requests."""
+
+    module: int
+    idx: list[int]  # request indices in the pass
+    starts: np.ndarray  # [n] first position per request
+    lens: np.ndarray  # [n] positions per request
+    commits: list[int]  # committed positions after the pass
+    moved: list[int]  # entries k of idx whose commit advances (their carry row changes)
+    drafters: list[int]  # entries k of idx that draft at this chain step
+
+    @property
+    def first_rows(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.lens)[:-1])).astype(np.int64)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lens.sum())
 
 
 @dataclass
@@ -42,12 +68,29 @@ class _PassOutput:
     first_pos: dict[int, int]
 
 
+class ChainLink(Protocol):
+    """Moves the chain between the devices of the drafter group (absent when every module is local)."""
+
+    def owns(self, module: int) -> bool: ...
+
+    def hand_over(self, to_module: int, nh: torch.Tensor, chain: "_Chain") -> None: ...
+
+    def take_over(self, from_module: int, rows: int, chain: "_Chain", j: int) -> torch.Tensor: ...
+
+    def deliver(self, last_module: int, chain: "_Chain") -> None: ...
+
+
 class Drafter:
     def __init__(self, mtp: MTPStack, embed: nn.Embedding, head: nn.Linear, kv: list[LayerKV],
-                 slots: SlotBuffers, block_size: int, mode: str, top_m: int, vocab: int) -> None:
+                 slots: SlotBuffers, block_size: int, mode: str, top_m: int, vocab: int,
+                 link: ChainLink | None = None) -> None:
         self.mtp, self.embed, self.head, self.kv = mtp, embed, head, kv
         self.slots, self.block_size, self.mode, self.top_m, self.vocab = slots, block_size, mode, top_m, vocab
         self.device = slots.device
+        self.link = link
+
+    def _here(self, module: int) -> bool:
+        return self.link is None or self.link.owns(module)
 
     def run(self, reqs: list[CachedRequest], final: list[bool], rows: TargetRows) -> None:
         """Advance every module's KV for the scheduled requests and draft for those that sampled."""
@@ -57,15 +100,36 @@ class Drafter:
         drafting = [i for i, r in enumerate(reqs) if final[i] and r.num_spec > 0]
         chain = _Chain(self, reqs, drafting)
         old_commit = [list(r.mtp_computed) for r in reqs]
+        steps = chain_steps(max_spec, len(self.mtp), self.mode)
         prev: _PassOutput | None = None
-        for j, step in enumerate(chain_steps(max_spec, len(self.mtp), self.mode)):
-            if step.offset == 0:
-                prev = self._module_pass(step.module, j, reqs, final, rows, prev, old_commit, chain)
-            else:
-                self._recursive_pass(step.module, step.offset, j, reqs, chain)
+        prev_plan: ModulePlan | None = None
+        # Carry rows are written only after the loop: module m+1 must read the row module m committed in
+        # an earlier step, not the one module m commits in this step.
+        carry: list[tuple[ModulePlan, torch.Tensor]] = []
+        for j, step in enumerate(steps):
+            m = step.module
+            if step.offset > 0:
+                if self._here(m):
+                    self._recursive_pass(m, step.offset, j, reqs, chain)
+                continue
+            plan = self._plan(m, j, reqs, final)
+            if self._here(m) and prev_plan is not None and not self._here(prev_plan.module):
+                prev.nh = self.link.take_over(prev_plan.module, prev_plan.num_rows, chain, j)
+                carry.append((prev_plan, prev.nh))
+            nh = self._module_pass(plan, j, reqs, rows, prev, old_commit, chain) if self._here(m) else None
+            if nh is not None:
+                carry.append((plan, nh))
+                if _next_module(steps, j) not in (None, m) and not self._here(_next_module(steps, j)):
+                    self.link.hand_over(_next_module(steps, j), nh, chain)
+            for k, i in enumerate(plan.idx):
+                reqs[i].mtp_computed[m] = max(reqs[i].mtp_computed[m], plan.commits[k])
+            prev, prev_plan = self._output(plan, nh), plan
+        for plan, nh in carry:
+            self._write_carry(plan, reqs, nh)
+        if self.link is not None and self._here(steps[-1].module):
+            self.link.deliver(steps[-1].module, chain)
 
-    def _module_pass(self, m: int, j: int, reqs: list[CachedRequest], final: list[bool], rows: TargetRows,
-                     prev: _PassOutput | None, old_commit: list[list[int]], chain: "_Chain") -> _PassOutput:
+    def _plan(self, m: int, j: int, reqs: list[CachedRequest], final: list[bool]) -> ModulePlan:
         idx, starts, ends, commits = [], [], [], []
         for i, r in enumerate(reqs):
             if r.num_spec <= m:  # the chain of this request never reaches module m
@@ -75,25 +139,32 @@ class Drafter:
             if end > r.mtp_computed[m]:
                 idx.append(i), starts.append(r.mtp_computed[m]), ends.append(end)
                 commits.append(max(0, min(r.num_computed, n_verified - m - 1)))
-        out = _PassOutput(torch.empty(0), {}, {})
+        starts_a = np.array(starts, dtype=np.int64)
+        moved = [k for k, i in enumerate(idx) if commits[k] > reqs[i].mtp_computed[m]]
+        drafters = [k for k, i in enumerate(idx) if final[i] and reqs[i].num_spec > j]
+        return ModulePlan(m, idx, starts_a, np.array(ends, dtype=np.int64) - starts_a, commits, moved, drafters)
+
+    def _output(self, plan: ModulePlan, nh: torch.Tensor | None) -> _PassOutput:
+        if nh is None:
+            nh = torch.empty(0, device=self.device)  # computed elsewhere: filled in if this process needs it
+        return _PassOutput(nh, dict(zip(plan.idx, plan.first_rows.tolist())), dict(zip(plan.idx, plan.starts.tolist())))
+
+    def _module_pass(self, plan: ModulePlan, j: int, reqs: list[CachedRequest], rows: TargetRows,
+                     prev: _PassOutput | None, old_commit: list[list[int]], chain: "_Chain") -> torch.Tensor:
+        m, idx = plan.module, plan.idx
         if not idx:
-            return out
-        starts_a, lens = np.array(starts), np.array(ends) - np.array(starts)
-        token_ids = self._module_tokens(m, reqs, idx, starts_a, lens, chain)
-        hidden = self._module_hidden(m, reqs, idx, starts_a, lens, rows, prev, old_commit)
+            return self.slots.carry.new_empty(0, self.slots.carry.shape[-1])
+        token_ids = self._module_tokens(m, reqs, idx, plan.starts, plan.lens, chain)
+        hidden = self._module_hidden(m, reqs, idx, plan.starts, plan.lens, rows, prev, old_commit)
         tables = [reqs[i].block_ids[1 + m] for i in idx]
-        positions, meta = build_metadata(starts_a, lens, tables, self.block_size, self.device)
+        positions, meta = build_metadata(plan.starts, plan.lens, tables, self.block_size, self.device)
         g = self.mtp(m, token_ids, hidden, positions, meta, self.kv[m], self.embed)
         nh = self.mtp.next_hidden(m, g)
-        first_rows = np.concatenate(([0], np.cumsum(lens)[:-1]))
-        self._commit(m, reqs, idx, starts_a, first_rows, commits, nh)
-        out = _PassOutput(nh, dict(zip(idx, first_rows.tolist())), dict(zip(idx, starts)))
-        last_rows = first_rows + lens - 1
-        drafters = [k for k, i in enumerate(idx) if final[i] and reqs[i].num_spec > j]
-        if drafters:
-            sel = torch.tensor(last_rows[drafters], device=self.device)
-            chain.draft(j, [idx[k] for k in drafters], self.mtp.logits(m, g[sel], self.head), nh[sel])
-        return out
+        if plan.drafters:
+            last_rows = plan.first_rows + plan.lens - 1
+            sel = torch.tensor(last_rows[plan.drafters], device=self.device)
+            chain.draft(j, [idx[k] for k in plan.drafters], self.mtp.logits(m, g[sel], self.head), nh[sel])
+        return nh
 
     def _recursive_pass(self, m: int, offset: int, j: int, reqs: list[CachedRequest], chain: "_Chain") -> None:
         idx = [i for i in chain.drafting if reqs[i].num_spec > j]
@@ -142,16 +213,19 @@ class Drafter:
             hidden[torch.from_numpy(np.flatnonzero(carried)).to(self.device)] = self.slots.carry[slots, m - 1]
         return hidden
 
-    def _commit(self, m: int, reqs: list[CachedRequest], idx: list[int], starts: np.ndarray,
-                first_rows: np.ndarray, commits: list[int], nh: torch.Tensor) -> None:
-        """Record module m's committed positions and carry g^m at its last committed one."""
-        moved = [k for k, i in enumerate(idx) if commits[k] > reqs[i].mtp_computed[m]]
-        if moved:
-            src = [int(first_rows[k] + commits[k] - 1 - starts[k]) for k in moved]
-            slots = torch.tensor([reqs[idx[k]].slot for k in moved], device=self.device)
-            self.slots.carry[slots, m] = nh[torch.tensor(src, device=self.device)]
-        for k, i in enumerate(idx):
-            reqs[i].mtp_computed[m] = max(reqs[i].mtp_computed[m], commits[k])
+    def _write_carry(self, plan: ModulePlan, reqs: list[CachedRequest], nh: torch.Tensor) -> None:
+        """Carry g^m at module m's last committed position, for module m+1's next step."""
+        if plan.moved:
+            first_rows = plan.first_rows
+            src = [int(first_rows[k] + plan.commits[k] - 1 - plan.starts[k]) for k in plan.moved]
+            slots = torch.tensor([reqs[plan.idx[k]].slot for k in plan.moved], device=self.device)
+            self.slots.carry[slots, plan.module] = nh[torch.tensor(src, device=self.device)]
+
+
+def _next_module(steps: list[ChainStep], j: int) -> int | None:
+    """The module of the next module pass after step j (None when no module pass follows)."""
+    nxt = steps[j + 1] if j + 1 < len(steps) else None
+    return nxt.module if nxt is not None and nxt.offset == 0 else None
 
 
 class _Chain:
@@ -163,6 +237,9 @@ class _Chain:
         dev = drafter.device
         k = max((reqs[i].num_spec for i in drafting), default=1)
         self.tokens = torch.zeros(len(drafting), k, dtype=torch.long, device=dev)
+        # The proposals as sent to the verifier (also kept in the slots, where a local verifier reads them).
+        self.q_ids = torch.zeros(len(drafting), k, drafter.top_m, dtype=torch.long, device=dev)
+        self.q_probs = torch.zeros(len(drafting), k, drafter.top_m, dtype=torch.float32, device=dev)
         self.last_hidden = drafter.slots.carry.new_zeros(len(drafting), drafter.slots.carry.shape[-1])
         chosen = [reqs[i] for i in drafting]
         self.st = sampling_tensors(chosen, drafter.vocab, dev) if chosen else None
@@ -190,11 +267,20 @@ class _Chain:
         tokens = torch.where(st.greedy, logits.argmax(-1), sampled)
         self.tokens[f, j] = tokens
         self.last_hidden[f] = hidden
+        self.q_ids[f, j] = _pad_m(q_ids, self.d.top_m)
+        self.q_probs[f, j] = _pad_m(q_probs, self.d.top_m)
         self.d.slots.draft_tokens[slots, j] = tokens
-        self.d.slots.q_ids[slots, j] = _pad_m(q_ids, self.d.top_m)
-        self.d.slots.q_probs[slots, j] = _pad_m(q_probs, self.d.top_m)
+        self.d.slots.q_ids[slots, j] = self.q_ids[f, j]
+        self.d.slots.q_probs[slots, j] = self.q_probs[f, j]
         if self.extra_counts is not None:
             self.extra_counts[f, tokens] += 1.0
+
+    def adopt(self, tokens: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor, j: int) -> None:
+        """Take over drafts 0..j-1 sampled on another device (penalty counts follow from the tokens)."""
+        self.tokens.copy_(tokens), self.q_ids.copy_(q_ids), self.q_probs.copy_(q_probs)
+        if self.extra_counts is not None and j > 0:
+            self.extra_counts.zero_()
+            self.extra_counts.scatter_add_(1, tokens[:, :j], torch.ones_like(tokens[:, :j], dtype=torch.float))
 
 
 def _pad_m(x: torch.Tensor, m: int) -> torch.Tensor:

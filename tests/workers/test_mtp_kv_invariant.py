@@ -1,0 +1,78 @@
+"""DESIGN.md §3 KV invariant, checked directly on the pools: every committed MTP KV entry equals what a
+teacher-forced pass of the same module over the final verified sequence computes.
+
+(The acceptance-replay test checks the same invariant through its effect on drafts; a tiny model's
+drafts can be insensitive to one wrong KV entry, so this test reads the pools themselves.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtpserve import LLM, SamplingParams
+from mtpserve.workers.models.train import dense_layer, synthetic_tokens, target_hidden, tiny_config, train_tiny
+from mtpserve.workers.models.writer import save_checkpoint
+from tests.conftest import prompts_of
+
+
+@pytest.fixture(scope="module")
+def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Drafts both accepted and rejected, so commits move by different amounts every step."""
+    path = tmp_path_factory.mktemp("partly_trained_kv")
+    cfg = tiny_config(vocab_size=64, num_mtp=3)
+    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0,
+                             seq_len=32, batch_size=16, lr=1e-2)
+    save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
+    return path
+
+
+def _teacher_forced_keys(llm: LLM, tokens: list[int]) -> list[torch.Tensor]:
+    """Per module m: the K it should hold at positions 0..S-m-2 ([n, Hkv, D]), teacher forced."""
+    model = llm.engine.executor.runner.model
+    target, mtp, cfg = model.target, model.mtp, model.config
+    seq = torch.tensor([tokens])
+    h = target_hidden(target, seq)[0]
+    prev = h if cfg.mtp.hidden_pre_norm else target.norm(h)
+    keys = []
+    for m in range(len(mtp)):
+        n = len(tokens) - m - 1
+        module = mtp.mtp[m]
+        positions = torch.arange(n)
+        emb = (module.embed_tokens or target.embed_tokens)(seq[0, m + 1 : m + 1 + n])
+        emb = emb.masked_fill((positions == 0)[:, None], 0.0) if cfg.mtp.mask_position0 else emb
+        e, hh = module.enorm(emb), module.hnorm(prev[:n])
+        x = module.eh_proj(torch.cat((hh, e) if cfg.mtp.hidden_first else (e, hh), dim=-1))
+        attn = module.block.self_attn
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        k = attn.qkv_proj(module.block.input_layernorm(x))[:, q_size : q_size + kv_size]
+        k = k.view(n, attn.num_kv_heads, attn.head_dim)
+        k = attn.k_norm(k) if attn.k_norm is not None else k
+        keys.append(attn.rotary(k, positions))
+        g = dense_layer(module.block, x[None], positions)[0]
+        prev = mtp.next_hidden(m, g)
+    return keys
+
+
+def test_committed_mtp_kv_equals_teacher_forced(partly_trained: Path) -> None:
+    llm = LLM(str(partly_trained), num_speculative_tokens=3, block_size=4)
+    prompts = prompts_of(64, [5, 13, 2], seed=4)
+    runner = llm.engine.executor.runner
+    checked = 0
+    with torch.inference_mode():
+        for prompt in prompts:  # one at a time: a finished request stays on the worker until the next plan
+            out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+            req = runner.requests[out.request_id]
+            expected = _teacher_forced_keys(llm, prompt + out.token_ids)
+            for m, keys in enumerate(expected):
+                committed = req.mtp_computed[m]
+                pos = torch.arange(committed)
+                table = torch.tensor(req.block_ids[1 + m])
+                slots = table[pos // 4] * 4 + pos % 4
+                pool = runner.kv.mtp[m].k.view(-1, *runner.kv.mtp[m].k.shape[2:])
+                torch.testing.assert_close(pool[slots], keys[:committed], rtol=1e-4, atol=1e-4,
+                                           msg=lambda msg: f"module {m}: {msg}")
+                checked += committed
+    assert checked > 50
