@@ -15,3 +15,7 @@ class InvalidRequestError(MTPServeError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class DeploymentError(MTPServeError):
+    """A deployment could not start (placement, a worker's load) or lost a worker; the message names the cause."""

@@ -36,6 +36,12 @@ class EngineConfig:
     drafter_devices: int = 0  # 0 = drafter colocated with target rank 0
     use_ray: bool = False
     seed: int = 0
+    # Ray deployment (tensor_parallel_size > 1, drafter_devices > 0 or use_ray):
+    ray_address: str | None = None  # None: ray.init()'s default (RAY_ADDRESS, else a local instance)
+    placement_timeout_s: float = 60.0  # waiting for the placement groups
+    startup_timeout_s: float = 600.0  # every worker's join + load, and each collective afterwards
+    target_resources: dict[str, float] | None = None  # extra Ray resources per target bundle (pin to nodes)
+    drafter_resources: dict[str, float] | None = None  # extra Ray resources per drafter bundle
 
     def __post_init__(self) -> None:
         if self.mtp_chain not in CHAIN_MODES:
@@ -45,6 +51,11 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_m", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.drafter_devices < 0:
+            raise ValueError(f"drafter_devices: must be >= 0, got {self.drafter_devices}")
+        for name in ("placement_timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

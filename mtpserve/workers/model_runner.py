@@ -2,12 +2,16 @@
 
 The only host-device sync per step is reading the accepted tokens (needed to lay out the drafter's
 batch and to answer the scheduler). Drafts stay on the device between steps.
+
+With a drafter group (DESIGN.md §2) the chain runs in other processes: a `RemoteDrafts` link hands
+them the verified tokens and hidden states, and `finish_step` takes their drafts back into the slots.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,7 +25,8 @@ from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify
 from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
                                        uniforms)
-from mtpserve.workers.state import CachedRequest, SlotBuffers, sampling_tensors
+from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
+                                    sampling_tensors)
 
 
 @dataclass(frozen=True)
@@ -34,71 +39,74 @@ class RunnerConfig:
     draft_top_m: int
 
 
+class RemoteDrafts(Protocol):
+    """The drafter group as the target ranks see it (mtpserve/workers/drafter_group.py)."""
+
+    def send(self, reqs: list[CachedRequest], lay: StepLayout, result: StepResult, rows: TargetRows) -> None: ...
+
+    def receive(self, slots: SlotBuffers) -> None: ...
+
+
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: RunnerConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.model, self.config, self.device = model, config, device
+    def __init__(self, model: LoadedModel, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
+                 remote: RemoteDrafts | None = None) -> None:
+        self.model, self.config, self.device, self.remote = model, config, device, remote
         cfg = model.config
         self.vocab = cfg.vocab_size
-        self.kv = KVPools.allocate(cfg, config.num_blocks, config.block_size, config.num_mtp_modules, dtype, device,
+        local_modules = 0 if remote is not None else config.num_mtp_modules  # their KV lives with the drafters
+        self.kv = KVPools.allocate(cfg, config.num_blocks, config.block_size, local_modules, dtype, device,
                                    num_kv_heads=model.target.layers[0].self_attn.num_kv_heads)
-        self.slots = SlotBuffers(config.max_num_seqs, config.num_mtp_modules, cfg.hidden_size, self.vocab,
+        self.slots = SlotBuffers(config.max_num_seqs, local_modules, cfg.hidden_size, self.vocab,
                                  config.draft_top_m, dtype, device)
-        self.drafter = Drafter(model.mtp, model.target.embed_tokens, model.target.lm_head, self.kv.mtp, self.slots,
-                               config.block_size, config.chain_mode, config.draft_top_m, self.vocab)
+        self.drafter = None if remote is not None else Drafter(
+            model.mtp, model.target.embed_tokens, model.target.lm_head, self.kv.mtp, self.slots,
+            config.block_size, config.chain_mode, config.draft_top_m, self.vocab)
         self.requests: dict[str, CachedRequest] = {}
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self._apply(plan)
+        apply_plan(self.requests, self.slots, plan, self.config.num_mtp_modules)
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return StepResult()
         t0 = time.perf_counter()
-        starts = np.array([r.num_computed for r in reqs], dtype=np.int64)
-        n, d = np.array(plan.num_tokens, dtype=np.int64), np.array(plan.num_drafts, dtype=np.int64)
-        final = (starts + n == np.array([len(r.token_ids) for r in reqs])).tolist()
-        hidden, first_row = self._run_target(reqs, starts, n, d)
-        result = self._verify(reqs, final, hidden, first_row + n - 1, d)
-        for r, k, is_final in zip(reqs, n.tolist(), final):
-            if not is_final:
-                r.num_computed += k
+        lay = StepLayout.of(reqs, plan)
+        hidden = self._run_target(reqs, lay)
+        result = self._verify(reqs, lay.final, hidden, lay.first_row + lay.n - 1, lay.d)
+        lay.advance_unfinished(reqs)
         t1 = time.perf_counter()
-        self.drafter.run(reqs, final, TargetRows(self._hidden_for_mtp(hidden), first_row, starts))
+        rows = TargetRows(self._hidden_for_mtp(hidden), lay.first_row, lay.starts)
+        if self.remote is not None:
+            self.remote.send(reqs, lay, result, rows)
+        else:
+            self.drafter.run(reqs, lay.final, rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only for honest phase timing; the step ends here anyway
         result.target_seconds, result.draft_seconds = t1 - t0, time.perf_counter() - t1
         return result
 
-    def _apply(self, plan: StepPlan) -> None:
-        for req_id in plan.freed_ids:
-            req = self.requests.pop(req_id, None)
-            if req is not None:
-                self.slots.release(req.slot)
-        for new in plan.new_requests:
-            self.requests[new.request_id] = CachedRequest.from_new(new, self.slots.acquire(new),
-                                                                   self.config.num_mtp_modules)
-        for req_id, new_blocks in zip(plan.req_ids, plan.new_block_ids):
-            for table, blocks in zip(self.requests[req_id].block_ids, new_blocks):
-                table.extend(blocks)
+    @torch.inference_mode()
+    def finish_step(self) -> None:
+        """Take in the drafts the drafter group sampled (called once the result is on its way back)."""
+        if self.remote is not None:
+            self.remote.receive(self.slots)
 
-    def _run_target(self, reqs: list[CachedRequest], starts: np.ndarray, n: np.ndarray,
-                    d: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """Target forward over verified chunks plus draft windows -> (pre-norm hidden [T, H], first rows [R])."""
-        qlens = n + d
-        positions, meta = build_metadata(starts, qlens, [r.block_ids[0] for r in reqs], self.config.block_size,
+    def _run_target(self, reqs: list[CachedRequest], lay: StepLayout) -> torch.Tensor:
+        """Target forward over verified chunks plus draft windows -> pre-norm hidden [T, H]."""
+        starts, n, d, first_row = lay.starts, lay.n, lay.d, lay.first_row
+        positions, meta = build_metadata(starts, n + d, [r.block_ids[0] for r in reqs], self.config.block_size,
                                          self.device)
         host: list[int] = []
         for r, s, k, dd in zip(reqs, starts.tolist(), n.tolist(), d.tolist()):
             host += r.token_ids[s : s + k] + [0] * dd
         input_ids = to_device(host, torch.long, self.device)
-        first_row = np.concatenate(([0], np.cumsum(qlens)[:-1]))
         if d.any():  # drafts never left the device: gather them into their rows
             req_rep = np.repeat(np.arange(len(reqs)), d)
             j = np.arange(d.sum()) - np.repeat(np.cumsum(d) - d, d)
             rows = to_device(first_row[req_rep] + n[req_rep] + j, torch.long, self.device)
             slots = to_device([reqs[i].slot for i in req_rep], torch.long, self.device)
             input_ids[rows] = self.slots.draft_tokens[slots, to_device(j, torch.long, self.device)]
-        return self.model.target(input_ids, positions, meta, self.kv.target), first_row
+        return self.model.target(input_ids, positions, meta, self.kv.target)
 
     def _verify(self, reqs: list[CachedRequest], final: list[bool], hidden: torch.Tensor, window_row: np.ndarray,
                 d: np.ndarray) -> StepResult:
@@ -128,12 +136,9 @@ class ModelRunner:
         host = torch.cat((accepted[:, None], tokens), dim=1).tolist()  # the step's one sync
         result = StepResult()
         for r, row in zip(f_reqs, host):
-            emitted = row[1 : row[0] + 2]
-            result.req_ids.append(r.req_id), result.token_ids.append(emitted), result.num_accepted.append(row[0])
-            r.token_ids += emitted
-            r.num_computed = len(r.token_ids) - 1
-        self.slots.count_tokens([r.slot for r, t in zip(f_reqs, result.token_ids) for _ in t],
-                                [x for t in result.token_ids for x in t])
+            result.req_ids.append(r.req_id), result.token_ids.append(row[1 : row[0] + 2])
+            result.num_accepted.append(row[0])
+        record_emitted(f_reqs, result.token_ids, self.slots)
         result.logprobs = self._logprobs(f_reqs, raw.view(len(f_reqs), k + 1, -1), result.token_ids)
         return result
 

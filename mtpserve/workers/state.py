@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mtpserve.cluster.types import NewRequest
+from mtpserve.cluster.types import NewRequest, StepPlan
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from mtpserve.workers.device import to_device
 from mtpserve.workers.sampling import SamplingTensors
@@ -83,6 +83,51 @@ class SlotBuffers:
         self._prompt_mask[slot] = False
         self._prompt_mask[slot, prompt] = True
         self._counts[slot] = torch.bincount(output, minlength=self.vocab).float()
+
+
+def apply_plan(requests: dict[str, CachedRequest], slots: SlotBuffers, plan: StepPlan, num_modules: int) -> None:
+    """Drop freed requests, admit new ones, extend block tables: every worker applies each plan the same way."""
+    for req_id in plan.freed_ids:
+        req = requests.pop(req_id, None)
+        if req is not None:
+            slots.release(req.slot)
+    for new in plan.new_requests:
+        requests[new.request_id] = CachedRequest.from_new(new, slots.acquire(new), num_modules)
+    for req_id, new_blocks in zip(plan.req_ids, plan.new_block_ids):
+        for table, blocks in zip(requests[req_id].block_ids, new_blocks):
+            table.extend(blocks)
+
+
+def record_emitted(reqs: list[CachedRequest], emitted: list[list[int]], slots: SlotBuffers) -> None:
+    """Append each request's verified tokens (accepted drafts + one sampled) and count them for penalties."""
+    for r, tokens in zip(reqs, emitted):
+        r.token_ids += tokens
+        r.num_computed = len(r.token_ids) - 1
+    slots.count_tokens([r.slot for r, t in zip(reqs, emitted) for _ in t], [x for t in emitted for x in t])
+
+
+@dataclass
+class StepLayout:
+    """Where each scheduled request's rows sit in the step's flat target batch (host side)."""
+
+    starts: np.ndarray  # [R] first position computed
+    n: np.ndarray  # [R] verified tokens computed
+    d: np.ndarray  # [R] drafts verified
+    final: list[bool]  # reaches its frontier this step (so it samples)
+    first_row: np.ndarray  # [R]
+
+    @staticmethod
+    def of(reqs: list[CachedRequest], plan: StepPlan) -> "StepLayout":
+        starts = np.array([r.num_computed for r in reqs], dtype=np.int64)
+        n, d = np.array(plan.num_tokens, dtype=np.int64), np.array(plan.num_drafts, dtype=np.int64)
+        final = (starts + n == np.array([len(r.token_ids) for r in reqs])).tolist()
+        return StepLayout(starts, n, d, final, np.concatenate(([0], np.cumsum(n + d)[:-1])).astype(np.int64))
+
+    def advance_unfinished(self, reqs: list[CachedRequest]) -> None:
+        """Requests mid-prompt committed their chunk (those that sampled were set by record_emitted)."""
+        for r, k, is_final in zip(reqs, self.n.tolist(), self.final):
+            if not is_final:
+                r.num_computed += k
 
 
 def sampling_tensors(reqs: list[CachedRequest], vocab: int, device: torch.device) -> SamplingTensors:

@@ -9,24 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.workers.models.train import dense_layer, synthetic_tokens, target_hidden, tiny_config, train_tiny
-from mtpserve.workers.models.writer import save_checkpoint
+from mtpserve.workers.models.train import dense_layer, target_hidden
 from tests.conftest import prompts_of
-
-
-@pytest.fixture(scope="module")
-def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Drafts both accepted and rejected, so commits move by different amounts every step."""
-    path = tmp_path_factory.mktemp("partly_trained_kv")
-    cfg = tiny_config(vocab_size=64, num_mtp=3)
-    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0,
-                             seq_len=32, batch_size=16, lr=1e-2)
-    save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
-    return path
 
 
 def _teacher_forced_keys(llm: LLM, tokens: list[int]) -> list[torch.Tensor]:

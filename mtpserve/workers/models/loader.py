@@ -10,7 +10,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -33,7 +33,11 @@ class LoadedModel:
     mtp: MTPStack
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+               keep: Callable[[str], bool] | None = None) -> LoadedModel:
+    """Load every tensor, or (with `keep`) only the parameters whose names it accepts ("embed_tokens.weight",
+    "layers.0....", "mtp.1...."): the others stay on the meta device, so a drafter process can hold its MTP
+    modules without the target's layers. The whole checkpoint is checked either way."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
@@ -46,13 +50,29 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
         target = TargetModel(cfg)
         mtp = MTPStack(cfg, target.rotary)
         _add_module_copies(cfg, mtp, present)
-    target.to_empty(device=device)
-    mtp.to_empty(device=device)
+    if keep is None:
+        target.to_empty(device=device)
+        mtp.to_empty(device=device)
+    else:
+        target.rotary.to_empty(device=device)
+        _materialize({**_params(target, ""), **_params(mtp, "")}, target, mtp, keep, device)
+        present = [s for s in present if keep(s.param)]
     target.rotary.reset()
     if cfg.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     _copy_weights(path, index, present, {**_params(target, ""), **_params(mtp, "")})
     return LoadedModel(cfg, target.eval(), mtp.eval())
+
+
+def _materialize(params: dict[str, torch.Tensor], target: nn.Module, mtp: nn.Module, keep: Callable[[str], bool],
+                 device: torch.device | str) -> None:
+    """Give the kept parameters storage on `device`; the rest stay on meta."""
+    for name, p in params.items():
+        if keep(name):
+            owner_name, _, attr = name.rpartition(".")
+            root = mtp if name.startswith("mtp.") else target
+            owner = root.get_submodule(owner_name) if owner_name else root
+            setattr(owner, attr, nn.Parameter(torch.empty_like(p, device=device), requires_grad=False))
 
 
 def _tensor_index(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -1,0 +1,200 @@
+"""Runs a replica's steps on Ray actors: `tensor_parallel_size` target ranks and `drafter_devices` drafters.
+
+Ray places, starts and monitors the workers and carries their addresses once; every step then goes
+out over persistent sockets (mtpserve/cluster/channel.py) and tensors move over torch.distributed
+(NCCL on CUDA, gloo on CPU). Start-up is bounded everywhere: placement, every worker's load and the
+channel handshake each have a deadline, and the first worker to fail ends the start with its cause.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mtpserve.cluster import placement
+from mtpserve.cluster.channel import Channel, ChannelClosed, Listener
+from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.errors import DeploymentError
+from mtpserve.workers.local_executor import runner_config
+from mtpserve.workers.tensor_parallel import check_shardable
+from mtpserve.workers.worker import Worker, WorkerSpec
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine_config import ResolvedConfig
+
+_STOP_GRACE_S = 5.0
+
+
+class RayExecutor:
+    def __init__(self, resolved: "ResolvedConfig") -> None:
+        c = resolved.config
+        check_shardable(resolved.model_config, c.tensor_parallel_size)
+        self.tp, self.drafters = c.tensor_parallel_size, c.drafter_devices
+        self.worker_nodes: dict[str, str] = {}  # worker name -> Ray node id
+        self._groups: list = []
+        self._actors: list[Any] = []
+        self._names: list[str] = []
+        self._serve_refs: list[ray.ObjectRef] = []
+        self._channels: list[Channel] = []
+        self._listener: Listener | None = None
+        self._failed: str | None = None
+        self._started_ray = False
+        try:
+            self._start(resolved)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def _start(self, r: "ResolvedConfig") -> None:
+        c = r.config
+        if not ray.is_initialized():
+            ray.init(address=c.ray_address, log_to_driver=True)
+            self._started_ray = True
+        use_gpu = r.device.type == "cuda"
+        requests = [placement.GroupRequest("target", self.tp, use_gpu, dict(c.target_resources or {}))]
+        if self.drafters:
+            requests.append(placement.GroupRequest("drafter", self.drafters, use_gpu, dict(c.drafter_resources or {})))
+        self._groups = placement.reserve(requests, c.placement_timeout_s)
+        deadline = time.monotonic() + c.startup_timeout_s
+        self._listener = Listener()
+        self._spawn(r, use_gpu)
+        master = self._get(self._actors[0].rendezvous_address.remote(), deadline, self._names[0])
+        driver = (ray.util.get_node_ip_address(), self._listener.port)
+        starts = {a.start.remote(master, driver): name for a, name in zip(self._actors, self._names)}
+        self.worker_nodes = self._wait_all(starts, deadline, c.startup_timeout_s)
+        try:
+            by_rank = self._listener.accept(len(self._actors), deadline)
+        except TimeoutError as e:
+            raise DeploymentError(f"workers did not connect to the control channel: {e}") from None
+        self._channels = [by_rank[rank] for rank in range(len(self._actors))]
+        self._serve_refs = [a.serve.remote() for a in self._actors]
+
+    def _spawn(self, r: "ResolvedConfig", use_gpu: bool) -> None:
+        env = {k: v for k, v in os.environ.items() if k.startswith("MTPSERVE_")}  # e.g. test fault injection
+        roles = [("target", self._groups[0], i) for i in range(self.tp)]
+        roles += [("drafter", self._groups[1], i) for i in range(self.drafters)]
+        actor_cls = ray.remote(Worker)
+        for rank, (role, group, bundle) in enumerate(roles):
+            spec = WorkerSpec(role, rank, self.tp, self.drafters, r, runner_config(r), r.config.startup_timeout_s)
+            self._actors.append(actor_cls.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+                runtime_env={"env_vars": env} if env else None,
+            ).remote(spec))
+            self._names.append(spec.name)
+
+    def _get(self, ref: ray.ObjectRef, deadline: float, name: str) -> Any:
+        try:
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except GetTimeoutError:
+            raise DeploymentError(f"{name} did not answer within the start-up timeout") from None
+        except (RayActorError, RayTaskError) as e:
+            raise DeploymentError(_failure(name, e)) from None
+
+    def _wait_all(self, refs: dict[ray.ObjectRef, str], deadline: float, timeout_s: float) -> dict[str, str]:
+        """Wait for every worker's start; the first failure wins (the others are likely stuck waiting for it)."""
+        pending, done = dict(refs), {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise DeploymentError(f"start-up timed out after {timeout_s:g} s waiting for "
+                                      f"{', '.join(sorted(pending.values()))}")
+            name = pending.pop(ready[0])
+            done[name] = self._get(ready[0], deadline, name)
+        return done
+
+    # -- steps --------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._failed:
+            raise DeploymentError(f"the deployment has failed: {self._failed}")
+        data = pickle.dumps(("plan", plan), protocol=pickle.HIGHEST_PROTOCOL)
+        for ch, name in zip(self._channels, self._names):
+            try:
+                ch.send_bytes(data)
+            except OSError as e:
+                self._fail(f"{name} is unreachable ({e})")
+        return self._await_result()
+
+    def _await_result(self) -> StepResult:
+        by_fd = {ch.fileno(): (ch, name) for ch, name in zip(self._channels, self._names)}
+        while True:
+            ready = select.select(list(by_fd), [], [], 1.0)[0]
+            if not ready:
+                self._check_alive()  # a hung collective looks like silence: see whether a worker is gone
+                continue
+            for fd in ready:
+                ch, name = by_fd[fd]
+                try:
+                    msg = ch.recv()
+                except (ChannelClosed, OSError):
+                    self._fail(f"{name} closed its control channel (its process died?){self._actor_cause(name)}")
+                if msg[0] == "result":
+                    return msg[1]
+                if msg[0] == "error":
+                    self._fail(f"{msg[1]} failed during a step:\n{msg[2]}")
+
+    def _check_alive(self) -> None:
+        done, _ = ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=0)
+        for ref in done:
+            name = self._names[self._serve_refs.index(ref)]
+            try:
+                ray.get(ref)
+                self._fail(f"{name} stopped serving")
+            except (RayActorError, RayTaskError) as e:
+                self._fail(_failure(name, e))
+
+    def _actor_cause(self, name: str) -> str:
+        ref = self._serve_refs[self._names.index(name)]
+        try:
+            ray.get(ref, timeout=2.0)
+        except (RayActorError, RayTaskError) as e:
+            return f": {_failure(name, e)}"
+        except Exception:
+            pass
+        return ""
+
+    def _fail(self, message: str) -> None:
+        self._failed = message
+        raise DeploymentError(message)
+
+    # -- shutdown -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for ch in self._channels:
+            try:
+                ch.send(("stop", None))
+            except OSError:
+                pass
+        if self._serve_refs and not self._failed:
+            ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=_STOP_GRACE_S)
+        for actor in self._actors:
+            ray.kill(actor)
+        for ch in self._channels:
+            ch.close()
+        placement.release(self._groups)
+        if self._listener is not None:
+            self._listener.close()
+        self._actors, self._channels, self._serve_refs, self._groups, self._listener = [], [], [], [], None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _failure(name: str, e: Exception) -> str:
+    """A worker's failure in one line naming the cause: its exception, or how its process died."""
+    if isinstance(e, RayTaskError):
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return f"{name} failed during start-up: {type(cause).__name__}: {_first_line(cause)}"
+    return f"{name} died: {_first_line(e)}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)

@@ -1,0 +1,138 @@
+"""The Ray actors of a replica: target tensor-parallel ranks and drafter-group ranks.
+
+Thin on purpose: Ray constructs a Worker, `start` joins the replica's torch.distributed group, loads
+(and shards) the model and connects to the driver's control channel; `serve` then runs the step loop
+until told to stop. No per-step traffic goes through Ray (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from mtpserve.cluster.channel import Channel, ChannelClosed
+from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink, Topology
+from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
+from mtpserve.workers.models.loader import LoadedModel, load_model
+from mtpserve.workers.tensor_parallel import TPGroup, shard_model
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine_config import ResolvedConfig
+
+# Test-only fault injection: "<role>:<rank>:<point>" makes that worker's process exit at that point.
+FAULT_ENV = "MTPSERVE_TEST_FAULT"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str  # "target" or "drafter"
+    rank: int  # global rank in the replica's process group (targets first, then drafters)
+    tp: int
+    drafters: int  # G; 0 = the drafter runs inside the target ranks
+    resolved: "ResolvedConfig"
+    runner: RunnerConfig
+    timeout_s: float  # for the rendezvous and every collective
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} worker (rank {self.rank})"
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.runner: ModelRunner | DrafterRunner | None = None
+        self.channel: Channel | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port for the process group's TCP store (asked of rank 0 only)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def start(self, master: tuple[str, int], driver: tuple[str, int]) -> str:
+        """Join the group, load, connect to the driver; returns this worker's Ray node id."""
+        import ray
+
+        spec, device = self.spec, _device(self.spec.resolved.device)
+        _maybe_fault(spec, "init")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=spec.rank, world_size=spec.tp + spec.drafters,
+                                timeout=timedelta(seconds=spec.timeout_s))
+        tp_group = dist.new_group(list(range(spec.tp)))  # every rank takes part in creating every group
+        _maybe_fault(spec, "load")
+        self.runner = _build_target(spec, device, tp_group) if spec.role == "target" else _build_drafter(spec, device)
+        self.channel = Channel.connect(driver, timeout=spec.timeout_s)
+        self.channel.send(("hello", spec.rank))
+        return ray.get_runtime_context().get_node_id()
+
+    def serve(self) -> None:
+        """The step loop: every worker applies every plan; target rank 0 answers."""
+        runner, ch, answer = self.runner, self.channel, self.spec.rank == 0
+        try:
+            while True:
+                kind, plan = ch.recv()
+                if kind == "stop":
+                    return
+                result = runner.execute(plan)
+                if answer:
+                    ch.send(("result", result))
+                runner.finish_step()
+        except ChannelClosed:
+            return  # the driver went away: nothing left to serve
+        except BaseException:
+            try:
+                ch.send(("error", self.spec.name, traceback.format_exc()))
+            except OSError:
+                pass
+            raise
+        finally:
+            ch.close()
+
+
+def _device(configured: torch.device) -> torch.device:
+    if configured.type != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
+    return torch.device("cuda", 0)
+
+
+def _maybe_fault(spec: WorkerSpec, point: str) -> None:
+    if os.environ.get(FAULT_ENV) == f"{spec.role}:{spec.rank}:{point}":
+        os._exit(17)
+
+
+def _topology(spec: WorkerSpec) -> Topology:
+    return Topology(spec.tp, spec.drafters, spec.runner.num_mtp_modules, spec.runner.chain_mode)
+
+
+def _build_target(spec: WorkerSpec, device: torch.device, tp_group: dist.ProcessGroup) -> ModelRunner:
+    r, colocated = spec.resolved, spec.drafters == 0
+    keep = None if colocated else (lambda name: not name.startswith("mtp."))
+    # Sharding slices the loaded tensors: load on the host, move only this rank's shard to the device.
+    model = load_model(r.model_path, r.dtype, "cpu" if spec.tp > 1 else device, keep)
+    if spec.tp > 1:
+        shard_model(model.target, model.mtp if colocated else None, TPGroup(spec.rank, spec.tp, tp_group))
+        model = LoadedModel(model.config, model.target.to(device), model.mtp.to(device) if colocated else model.mtp)
+    remote = None if colocated else TargetDraftLink(_topology(spec), spec.rank, spec.runner.draft_top_m, device)
+    return ModelRunner(model, spec.runner, r.dtype, device, remote)
+
+
+def _build_drafter(spec: WorkerSpec, device: torch.device) -> DrafterRunner:
+    topo, r = _topology(spec), spec.resolved
+    mine = tuple(f"mtp.{m}." for m in range(topo.num_modules) if topo.owner(m) == spec.rank)
+
+    def keep(name: str) -> bool:  # the shared embedding and head, and this rank's modules only
+        return name.startswith(("embed_tokens.", "lm_head.") + mine)
+
+    model = load_model(r.model_path, r.dtype, device, keep)
+    return DrafterRunner(model, spec.runner, topo, spec.rank, r.dtype, device)
