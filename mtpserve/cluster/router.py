@@ -17,7 +17,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, NoReturn
 
 import grpc
 
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 FIELD_METADATA_KEY = "mtpserve-field"  # trailing metadata naming the invalid field
 MAX_REQUEST_ID_LEN = 256
+ABORT_TIMEOUT_S = 30.0  # an engine step never takes this long; past it the engine thread is gone
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,13 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug here must not leave streams waiting forever (health turns NOT_SERVING)
+            log.exception("the engine thread failed")
+            self._fail_all(EngineFailed(f"engine thread failed: {type(e).__name__}: {e}"))
+
+    def _serve(self) -> None:
         while True:
             busy = self.engine.has_unfinished_requests() or self._flush
             commands = [self._inbox.get()] if not busy else []  # idle: sleep until a command arrives
@@ -144,6 +152,10 @@ class EngineLoop:
             self.engine.add_request(request_id, prompt, params, arrival)
         except InvalidRequestError as e:
             sink(e)
+            return
+        except Exception as e:  # not the client's fault: fail this request, keep serving the others
+            log.exception("adding request %s failed", request_id)
+            sink(EngineFailed(f"cannot add the request: {type(e).__name__}: {e}"))
             return
         self._sinks[request_id] = sink
 
@@ -243,6 +255,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params, prompt = sampling_params_from_proto(request.sampling), prompt_from_proto(request)
         except InvalidRequestError as e:
             await _abort_invalid(context, e)
+        if not self.engine_loop.is_alive():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine has stopped")
         if self.outstanding >= self.max_outstanding:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"queue full: {self.outstanding} requests in flight (limit {self.max_outstanding})")
@@ -273,7 +287,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
         self.engine_loop.abort(request.request_id, lambda found: loop.call_soon_threadsafe(done.set_result, found))
-        return pb.AbortResponse(found=await done)
+        try:
+            return pb.AbortResponse(found=await asyncio.wait_for(done, ABORT_TIMEOUT_S))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
@@ -292,7 +309,7 @@ def _sink_for(items: asyncio.Queue) -> Sink:
     return sink
 
 
-async def _abort_invalid(context: grpc.aio.ServicerContext, error: InvalidRequestError) -> None:
+async def _abort_invalid(context: grpc.aio.ServicerContext, error: InvalidRequestError) -> NoReturn:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error),
                         trailing_metadata=((FIELD_METADATA_KEY, error.field),))
 

@@ -64,10 +64,17 @@ def _flag_type(f: dataclasses.Field) -> Any:
     annotation = str(f.type)
     if annotation.startswith("bool"):
         return bool
+    if annotation.startswith(("dict", "list", "tuple")):
+        return _structured  # e.g. --target-resources '{"accelerator_type:H200": 0.01}'
     for name, kind in (("int", int), ("float", float)):
         if annotation.startswith(name):
             return kind
     return str
+
+
+def _structured(text: str) -> Any:
+    """A mapping or list given on the command line, in YAML (so JSON works too)."""
+    return yaml.safe_load(text)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +152,7 @@ class Replica:
         self.grpc_server: Any = None
         self.health: Any = None
         self.metrics_http: Any = None
+        self.watchdog: asyncio.Task | None = None
         self.port = 0
         self.metrics_port = -1
 
@@ -177,6 +185,7 @@ class Replica:
         await self.grpc_server.start()
         for service in ("", names[0]):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.watchdog = asyncio.create_task(self._watch_engine(["", names[0]]))
         if o.metrics_port >= 0:
             from prometheus_client import start_http_server
 
@@ -186,6 +195,16 @@ class Replica:
                  "TLS" if o.tls_cert_file else "plaintext", ", bearer auth" if token else "",
                  f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off")
         return self
+
+    async def _watch_engine(self, services: list[str], period: float = 1.0) -> None:
+        """Health turns NOT_SERVING if the engine thread ends, so load balancers and probes stop routing here."""
+        from grpc_health.v1 import health_pb2
+
+        while self.engine_loop.is_alive():
+            await asyncio.sleep(period)
+        log.error("the engine thread has stopped: health is NOT_SERVING")
+        for service in services:
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _bind(self, grpc: Any) -> int:
         o, address = self.options, f"{self.options.host}:{self.options.port}"
@@ -204,6 +223,8 @@ class Replica:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.options.shutdown_grace_seconds if grace is None else grace
         log.info("shutting down (grace %.1f s)", grace)
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         if self.grpc_server is not None:

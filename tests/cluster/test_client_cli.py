@@ -3,6 +3,8 @@ auth and TLS, all against real servers on loopback."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import re
@@ -21,7 +23,8 @@ import yaml
 from mtpserve import LLM, SamplingParams
 from mtpserve.cluster.client import Client
 from mtpserve.cluster.engine_config import EngineConfig
-from mtpserve.cluster.serve import ServerOptions, ServerThread, load_config, load_engine
+from mtpserve.cluster.serve import (ServerOptions, ServerThread, add_serve_arguments, config_from_args, load_config,
+                                    load_engine)
 from mtpserve.cluster.serve import main as serve_main
 from tests.checkpoints import write_tokenizer
 
@@ -154,6 +157,18 @@ def test_load_config_precedence(tmp_path: Path) -> None:
     assert (server.port, server.metrics_port, server.max_queue_size) == (6000, 9999, 256)
     engine, server = load_config(None, {})
     assert engine == EngineConfig() and server == ServerOptions()
+
+
+def test_every_config_field_is_a_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for cls in (EngineConfig, ServerOptions):
+        for f in dataclasses.fields(cls):
+            assert "--" + f.name.replace("_", "-") in parser._option_string_actions, f.name
+    structured = [f.name for f in dataclasses.fields(EngineConfig) if str(f.type).startswith("dict")]
+    for name in structured:  # mappings (e.g. Ray resources) are given as YAML/JSON on the command line
+        args = parser.parse_args(["--" + name.replace("_", "-"), '{"node:x": 0.5}'])
+        assert getattr(config_from_args(args)[0], name) == {"node:x": 0.5}
 
 
 # -- auth and TLS ---------------------------------------------------------------------------------

@@ -330,6 +330,24 @@ def test_engine_failure_becomes_an_error_message(ckpt: Path) -> None:
         srv.stop()
 
 
+def test_engine_thread_death_turns_health_not_serving(ckpt: Path) -> None:
+    srv = start(ckpt)
+    try:
+        def break_loop(engine: Any) -> None:
+            def boom() -> bool:
+                raise RuntimeError("injected engine-thread failure")
+            engine.has_unfinished_requests = boom
+        srv.replica.engine_loop.call(break_loop).result(10)
+        with Client(f"127.0.0.1:{srv.port}", timeout=30) as c:
+            wait_until(lambda: c.health() == "NOT_SERVING", what="health to report NOT_SERVING")
+            assert c.health("mtpserve.v1.Generation") == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate([5, 6], {"max_tokens": 2})
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
+
+
 # -- health and reflection ------------------------------------------------------------------------
 def test_health(server: ServerThread) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
