@@ -136,9 +136,10 @@ def load_engine(config: EngineConfig, heartbeat_seconds: float = 10.0):
         done.set()
     r = engine.resolved
     log.info("model loaded in %.1f s: %s, vocab %d, context %d, %d MTP modules (%d in use, %d draft tokens "
-             "by default), %d KV blocks of %d per group, %s %s", time.monotonic() - t0, r.model_config.architecture,
-             r.model_config.vocab_size, r.max_model_len, r.model_config.mtp.num_modules, r.num_mtp_modules,
-             r.default_num_spec, r.num_blocks, config.block_size, r.device, str(r.dtype).removeprefix("torch."))
+             "by default), %d KV blocks of %d per group, %s %s, %s", time.monotonic() - t0,
+             r.model_config.architecture, r.model_config.vocab_size, r.max_model_len, r.model_config.mtp.num_modules,
+             r.num_mtp_modules, r.default_num_spec, r.num_blocks, config.block_size, r.device,
+             str(r.dtype).removeprefix("torch."), type(engine.executor).__name__)
     return engine
 
 

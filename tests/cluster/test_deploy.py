@@ -232,11 +232,12 @@ def ray_head() -> Iterator[RayHead]:
 
 
 def test_ray_job_submit_serves_and_stops(ray_head: RayHead, trained_ckpt: Path, tmp_path: Path) -> None:
+    """The job's driver runs the router; `use_ray` puts the model on a worker actor of the cluster."""
     job_dir = tmp_path / "job"  # the working dir that gets uploaded: just the config
     job_dir.mkdir()
     port, metrics_port = free_ports(2)
     (job_dir / "serve.yaml").write_text(yaml.safe_dump({
-        "model": str(trained_ckpt), "num_kv_blocks": 128, "host": "127.0.0.1", "port": port,
+        "model": str(trained_ckpt), "num_kv_blocks": 128, "use_ray": True, "host": "127.0.0.1", "port": port,
         "metrics_port": metrics_port, "shutdown_grace_seconds": 1.0}))
     job_id = f"mtpserve-test-{uuid.uuid4().hex[:8]}"
     r = ray_head.cli("job", "submit", "--address", ray_head.address, "--submission-id", job_id, "--working-dir",
@@ -270,7 +271,8 @@ def test_ray_job_submit_serves_and_stops(ray_head: RayHead, trained_ckpt: Path, 
     wait_until(lambda: status() in ("STOPPED", "SUCCEEDED", "FAILED"), 60, "the job to end")
     assert status() == "STOPPED"
     text = logs()
-    assert "model loaded in" in text and "shutting down" in text and "mtpserve.serve: stopped" in text, text
+    assert re.search(r"model loaded in .*RayExecutor", text), text
+    assert "shutting down" in text and "mtpserve.serve: stopped" in text, text
 
     def port_closed() -> bool:
         with socket.socket() as s:
