@@ -18,6 +18,7 @@ import torch
 
 from mtpserve.cluster.types import StepPlan, StepResult
 from mtpserve.workers.batch import build_metadata
+from mtpserve.workers.cuda_graphs import TargetGraphs
 from mtpserve.workers.device import to_device
 from mtpserve.workers.drafter import Drafter, TargetRows
 from mtpserve.workers.kv_cache import KVPools
@@ -37,6 +38,8 @@ class RunnerConfig:
     num_mtp_modules: int  # modules in use (<= the checkpoint's)
     chain_mode: str
     draft_top_m: int
+    cuda_graphs: bool = True  # decode/verify target forwards replay CUDA graphs (only on CUDA devices)
+    max_model_len: int | None = None  # fixes the graphs' block-table width; None = the model's max_position
 
 
 class RemoteDrafts(Protocol):
@@ -62,6 +65,9 @@ class ModelRunner:
             model.mtp, model.target.embed_tokens, model.target.lm_head, self.kv.mtp, self.slots,
             config.block_size, config.chain_mode, config.draft_top_m, self.vocab)
         self.requests: dict[str, CachedRequest] = {}
+        self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size,
+                                   config.max_model_len or cfg.max_position, device) \
+            if config.cuda_graphs and device.type == "cuda" else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -94,6 +100,9 @@ class ModelRunner:
     def _run_target(self, reqs: list[CachedRequest], lay: StepLayout) -> torch.Tensor:
         """Target forward over verified chunks plus draft windows -> pre-norm hidden [T, H]."""
         starts, n, d, first_row = lay.starts, lay.n, lay.d, lay.first_row
+        hidden = self.graphs.run(reqs, starts, n, d, self.slots.draft_tokens) if self.graphs is not None else None
+        if hidden is not None:  # a uniform decode/verify step replayed a graph
+            return hidden
         positions, meta = build_metadata(starts, n + d, [r.block_ids[0] for r in reqs], self.config.block_size,
                                          self.device)
         host: list[int] = []
