@@ -85,8 +85,10 @@ class EngineLoop:
             sink: Sink) -> None:
         self._inbox.put(("add", request_id, prompt, params, arrival_time, sink))
 
-    def abort(self, request_id: str, reply: Callable[[bool], None] | None = None) -> None:
-        self._inbox.put(("abort", request_id, reply))
+    def abort(self, request_id: str, reply: Callable[[bool], None] | None = None, owner: Sink | None = None) -> None:
+        """Abort by id; with `owner`, only if that sink's request holds the id (a stream ending must not
+        abort another stream's request that happens to use the same id)."""
+        self._inbox.put(("abort", request_id, reply, owner))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) in the engine thread (reads of engine state that must not race a step)."""
@@ -130,8 +132,8 @@ class EngineLoop:
         if kind == "add":
             self._add(*args)
         elif kind == "abort":
-            request_id, reply = args
-            found = request_id in self._sinks
+            request_id, reply, owner = args
+            found = request_id in self._sinks and (owner is None or self._sinks[request_id] is owner)
             if found:
                 self.engine.abort_request(request_id)
                 self._flush = True
@@ -261,10 +263,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"queue full: {self.outstanding} requests in flight (limit {self.max_outstanding})")
         items: asyncio.Queue = asyncio.Queue()
+        sink = _sink_for(items)
         self.outstanding += 1
         live = True  # the engine may hold the request: abort it if the stream ends early
         try:
-            self.engine_loop.add(request_id, prompt, params, arrival, _sink_for(items))
+            self.engine_loop.add(request_id, prompt, params, arrival, sink)
             while True:
                 item = await items.get()
                 if isinstance(item, InvalidRequestError):
@@ -282,7 +285,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:  # runs on normal end, client cancellation, deadline and server shutdown alike
             self.outstanding -= 1
             if live:
-                self.engine_loop.abort(request_id)
+                self.engine_loop.abort(request_id, owner=sink)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -286,6 +287,10 @@ def test_duplicate_id_of_a_running_request(client: Client, server: ServerThread)
     stream = client.stream([5, 6, 7], LONG, request_id="dup")
     assert next(stream).token_ids
     assert_invalid(lambda: client.generate([9], {"max_tokens": 2}, request_id="dup"), "request_id")
+    # A refused duplicate that goes away (its stream ends) aborts only a request it owns, not this one.
+    found = Future()
+    server.replica.engine_loop.abort("dup", reply=found.set_result, owner=lambda item: None)
+    assert found.result(10) is False
     assert client.abort("dup") is True  # the original is unharmed by the refused duplicate ...
     assert list(stream)[-1].finish_reason == "abort"
     again = client.generate([9], {"max_tokens": 2}, request_id="dup")  # ... and the id is free again
