@@ -24,6 +24,7 @@ from torch import nn
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.batch import build_metadata
 from mtpserve.workers.chain import ChainStep, chain_steps
+from mtpserve.workers.device import to_device
 from mtpserve.workers.models.mtp import MTPStack
 from mtpserve.workers.sampling import STREAM_DRAFT, apply_penalties, sample, to_probs, top_m, uniforms
 from mtpserve.workers.state import CachedRequest, SlotBuffers, sampling_tensors
@@ -162,7 +163,7 @@ class Drafter:
         nh = self.mtp.next_hidden(m, g)
         if plan.drafters:
             last_rows = plan.first_rows + plan.lens - 1
-            sel = torch.tensor(last_rows[plan.drafters], device=self.device)
+            sel = to_device(last_rows[plan.drafters], torch.long, self.device)
             chain.draft(j, [idx[k] for k in plan.drafters], self.mtp.logits(m, g[sel], self.head), nh[sel])
         return nh
 
@@ -187,9 +188,9 @@ class Drafter:
             rows += [chain.row.get(i, 0)] * num_drafted
             cols += range(num_drafted)
             host += verified + [0] * num_drafted
-        ids = torch.tensor(host, dtype=torch.long, device=self.device)
+        ids = to_device(host, torch.long, self.device)
         if flat:
-            ids[torch.tensor(flat, device=self.device)] = chain.tokens[rows, cols]
+            ids[to_device(flat, torch.long, self.device)] = chain.tokens[rows, cols]
         return ids
 
     def _module_hidden(self, m: int, reqs: list[CachedRequest], idx: list[int], starts: np.ndarray, lens: np.ndarray,
@@ -200,17 +201,17 @@ class Drafter:
         idx_a = np.array(idx)[req_rep]
         if m == 0:
             src_rows = rows.first_row[idx_a] + pos - rows.first_pos[idx_a]
-            return rows.hidden[torch.from_numpy(src_rows).to(self.device)]
+            return rows.hidden[to_device(src_rows, torch.long, self.device)]
         # Positions below module m-1's old commit were computed in an earlier step: only the carried row.
         carried = pos < np.array([old_commit[i][m - 1] for i in idx_a])
         first_row = np.array([prev.first_row.get(i, 0) for i in idx_a])
         first_pos = np.array([prev.first_pos.get(i, 0) for i in idx_a])
         src_rows = np.where(carried, 0, first_row + pos - first_pos)
-        hidden = prev.nh[torch.from_numpy(src_rows).to(self.device)] if prev.nh.numel() else \
+        hidden = prev.nh[to_device(src_rows, torch.long, self.device)] if prev.nh.numel() else \
             self.slots.carry.new_empty(len(pos), self.slots.carry.shape[-1])
         if carried.any():
-            slots = torch.tensor([reqs[i].slot for i in idx_a[carried]], device=self.device)
-            hidden[torch.from_numpy(np.flatnonzero(carried)).to(self.device)] = self.slots.carry[slots, m - 1]
+            slots = to_device([reqs[i].slot for i in idx_a[carried]], torch.long, self.device)
+            hidden[to_device(np.flatnonzero(carried), torch.long, self.device)] = self.slots.carry[slots, m - 1]
         return hidden
 
     def _write_carry(self, plan: ModulePlan, reqs: list[CachedRequest], nh: torch.Tensor) -> None:
@@ -218,8 +219,8 @@ class Drafter:
         if plan.moved:
             first_rows = plan.first_rows
             src = [int(first_rows[k] + plan.commits[k] - 1 - plan.starts[k]) for k in plan.moved]
-            slots = torch.tensor([reqs[plan.idx[k]].slot for k in plan.moved], device=self.device)
-            self.slots.carry[slots, plan.module] = nh[torch.tensor(src, device=self.device)]
+            slots = to_device([reqs[plan.idx[k]].slot for k in plan.moved], torch.long, self.device)
+            self.slots.carry[slots, plan.module] = nh[to_device(src, torch.long, self.device)]
 
 
 def _next_module(steps: list[ChainStep], j: int) -> int | None:
@@ -243,14 +244,14 @@ class _Chain:
         self.last_hidden = drafter.slots.carry.new_zeros(len(drafting), drafter.slots.carry.shape[-1])
         chosen = [reqs[i] for i in drafting]
         self.st = sampling_tensors(chosen, drafter.vocab, dev) if chosen else None
-        self.frontier = torch.tensor([len(r.token_ids) for r in chosen], dtype=torch.long, device=dev)
-        self.slot_ids = torch.tensor([r.slot for r in chosen], dtype=torch.long, device=dev)
+        self.frontier = to_device([len(r.token_ids) for r in chosen], torch.long, dev)
+        self.slot_ids = to_device([r.slot for r in chosen], torch.long, dev)
         self.extra_counts = None
         if self.st is not None and self.st.use_penalties:
             self.extra_counts = torch.zeros(len(drafting), drafter.vocab, device=dev)
 
     def rows_of(self, idx: list[int]) -> torch.Tensor:
-        return torch.tensor([self.row[i] for i in idx], dtype=torch.long, device=self.d.device)
+        return to_device([self.row[i] for i in idx], torch.long, self.d.device)
 
     def draft(self, j: int, idx: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Sample draft j (the token at frontier + j) for requests idx from their module logits [n, V]."""

@@ -142,14 +142,29 @@ class ModelRunner:
             uniforms(seed, frontier + torch.arange(k, device=dev), STREAM_ACCEPT),
             uniforms(seed, frontier + torch.arange(k + 1, device=dev), STREAM_SAMPLE),
         )
-        host = torch.cat((accepted[:, None], tokens), dim=1).tolist()  # the step's one sync
+        host = self._to_host(f_reqs, accepted, tokens, raw)  # the step's one sync
         result = StepResult()
         for r, row in zip(f_reqs, host):
-            result.req_ids.append(r.req_id), result.token_ids.append(row[1 : row[0] + 2])
-            result.num_accepted.append(row[0])
+            a = int(row[0])
+            result.req_ids.append(r.req_id), result.num_accepted.append(a)
+            result.token_ids.append([int(t) for t in row[1 : a + 2]])
+            result.logprobs.append(_logprob_dicts(row, a, k, r.params.logprobs))
         record_emitted(f_reqs, result.token_ids, self.slots)
-        result.logprobs = self._logprobs(f_reqs, raw.view(len(f_reqs), k + 1, -1), result.token_ids)
         return result
+
+    def _to_host(self, reqs: list[CachedRequest], accepted: torch.Tensor, tokens: torch.Tensor,
+                 raw: torch.Tensor) -> list[list[float]]:
+        """One device-to-host copy per step: per request [a, tokens (K+1), then logprobs if asked].
+
+        Logprobs are of the raw model distribution, for every window position: chosen [K+1], then
+        top-n ids and values [(K+1) * n]. Everything travels as float64, exact for token ids.
+        """
+        parts = [accepted[:, None].double(), tokens.double()]
+        top_n = max((r.params.logprobs or 0 for r in reqs), default=0)
+        if any(r.params.logprobs is not None for r in reqs):
+            lp, ids, vals = logprobs_topn(raw, tokens.reshape(-1), top_n)
+            parts += [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)]
+        return torch.cat(parts, dim=1).tolist()
 
     def _penalised(self, raw: torch.Tensor, st, slots: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
         """Penalties at window position j see the drafts before j, as they would see accepted tokens."""
@@ -160,23 +175,18 @@ class ModelRunner:
         rows = torch.arange(len(slots), device=self.device).repeat_interleave(k + 1)
         return apply_penalties(raw, window_counts.view(-1, self.vocab), prompt_mask[rows], st.take(rows))
 
-    def _logprobs(self, reqs: list[CachedRequest], raw: torch.Tensor,
-                  emitted: list[list[int]]) -> list[list[dict[int, float]] | None]:
-        wanted = [r.params.logprobs for r in reqs]
-        if all(w is None for w in wanted):
-            return [None] * len(reqs)
-        out: list[list[dict[int, float]] | None] = []
-        for i, (r, toks) in enumerate(zip(reqs, emitted)):
-            if r.params.logprobs is None:
-                out.append(None)
-                continue
-            chosen = to_device(toks, torch.long, self.device)
-            lp, ids, vals = logprobs_topn(raw[i, : len(toks)], chosen, r.params.logprobs)
-            out.append([{**dict(zip(ti, tv)), c: cl} for c, cl, ti, tv in
-                        zip(toks, lp.tolist(), ids.tolist(), vals.tolist())])
-        return out
-
     def _hidden_for_mtp(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.model.config.mtp.hidden_pre_norm or len(self.model.mtp) == 0:
             return hidden
         return self.model.target.norm(hidden)
+
+
+def _logprob_dicts(row: list[float], accepted: int, k: int, n: int | None) -> list[dict[int, float]] | None:
+    """Unpack one request's row of _to_host: token id -> logprob, the chosen token and the top n."""
+    if n is None:
+        return None
+    window, top_n = k + 1, (len(row) - 1 - 2 * (k + 1)) // (2 * (k + 1))
+    chosen, lp = row[1 : 1 + window], row[1 + window : 1 + 2 * window]
+    ids, vals = row[1 + 2 * window : 1 + 2 * window + window * top_n], row[1 + 2 * window + window * top_n :]
+    return [{**{int(i): v for i, v in zip(ids[j * top_n : j * top_n + n], vals[j * top_n : j * top_n + n])},
+             int(chosen[j]): lp[j]} for j in range(accepted + 1)]

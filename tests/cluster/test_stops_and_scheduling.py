@@ -112,3 +112,21 @@ def test_token_budget_and_sequence_cap_hold_every_step(worded: Path) -> None:
         result = engine.executor.execute(plan)
         engine._postprocess(plan, result, engine.last_stats)
     assert engine.blocks.all_free
+
+
+def test_logprobs_are_the_models_and_do_not_depend_on_speculation(worded: Path) -> None:
+    import torch
+
+    from tests.checkpoints import load_hf_model
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain, spec = _run(worded, params, k=0), _run(worded, params, k=3)
+    assert plain.token_ids == spec.token_ids and len(plain.logprobs) == len(spec.logprobs) == 10
+    hf = load_hf_model(worded)
+    with torch.no_grad():
+        logp = hf(torch.tensor([PROMPT + plain.token_ids])).logits[0, len(PROMPT) - 1 : -1].log_softmax(-1)
+    for j, (token, a, b) in enumerate(zip(plain.token_ids, plain.logprobs, spec.logprobs)):
+        top = logp[j].topk(3)
+        assert set(a) == set(b) == set(top.indices.tolist()) | {token}
+        for t, v in a.items():
+            assert abs(v - logp[j, t].item()) < 1e-4 and abs(b[t] - v) < 1e-4
