@@ -97,7 +97,7 @@ class RayExecutor:
         except GetTimeoutError:
             raise DeploymentError(f"{name} did not answer within the start-up timeout") from None
         except (RayActorError, RayTaskError) as e:
-            raise DeploymentError(_failure(name, e)) from None
+            raise DeploymentError(_failure(name, e, "during start-up")) from None
 
     def _wait_all(self, refs: dict[ray.ObjectRef, str], deadline: float, timeout_s: float) -> dict[str, str]:
         """Wait for every worker's start; the first failure wins (the others are likely stuck waiting for it)."""
@@ -149,14 +149,14 @@ class RayExecutor:
                 ray.get(ref)
                 self._fail(f"{name} stopped serving")
             except (RayActorError, RayTaskError) as e:
-                self._fail(_failure(name, e))
+                self._fail(_failure(name, e, "while serving"))
 
     def _actor_cause(self, name: str) -> str:
         ref = self._serve_refs[self._names.index(name)]
         try:
             ray.get(ref, timeout=2.0)
         except (RayActorError, RayTaskError) as e:
-            return f": {_failure(name, e)}"
+            return f": {_failure(name, e, 'while serving')}"
         except Exception:
             pass
         return ""
@@ -187,12 +187,14 @@ class RayExecutor:
             self._started_ray = False
 
 
-def _failure(name: str, e: Exception) -> str:
+def _failure(name: str, e: Exception, when: str) -> str:
     """A worker's failure in one line naming the cause: its exception, or how its process died."""
     if isinstance(e, RayTaskError):
         cause = e.cause if getattr(e, "cause", None) is not None else e
-        return f"{name} failed during start-up: {type(cause).__name__}: {_first_line(cause)}"
-    return f"{name} died: {_first_line(e)}"
+        return f"{name} failed {when}: {type(cause).__name__}: {_first_line(cause)}"
+    text, marker = str(e), "Worker exit detail: "
+    detail = text[text.index(marker) + len(marker):].split(". ")[0] if marker in text else ""
+    return f"{name} died {when}: {_first_line(e)}" + (f" ({detail})" if detail else "")
 
 
 def _first_line(e: BaseException) -> str:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mtpserve.cluster.channel import Channel, ChannelClosed
+from mtpserve.errors import CheckpointError
 from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink, Topology
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
 from mtpserve.workers.models.loader import LoadedModel, load_model
@@ -119,12 +120,23 @@ def _build_target(spec: WorkerSpec, device: torch.device, tp_group: dist.Process
     r, colocated = spec.resolved, spec.drafters == 0
     keep = None if colocated else (lambda name: not name.startswith("mtp."))
     # Sharding slices the loaded tensors: load on the host, move only this rank's shard to the device.
-    model = load_model(r.model_path, r.dtype, "cpu" if spec.tp > 1 else device, keep)
+    model = _load(spec, "cpu" if spec.tp > 1 else device, keep)
     if spec.tp > 1:
         shard_model(model.target, model.mtp if colocated else None, TPGroup(spec.rank, spec.tp, tp_group))
         model = LoadedModel(model.config, model.target.to(device), model.mtp.to(device) if colocated else model.mtp)
     remote = None if colocated else TargetDraftLink(_topology(spec), spec.rank, spec.runner.draft_top_m, device)
     return ModelRunner(model, spec.runner, r.dtype, device, remote)
+
+
+def _load(spec: WorkerSpec, device: torch.device | str, keep) -> LoadedModel:
+    """load_model, with any failure reading the files reported as a checkpoint error naming the path."""
+    path = spec.resolved.model_path
+    try:
+        return load_model(path, spec.resolved.dtype, device, keep)
+    except CheckpointError:
+        raise
+    except Exception as e:  # e.g. a truncated safetensors file: the reader's own error type
+        raise CheckpointError(f"cannot load the checkpoint at {path}: {type(e).__name__}: {e}") from e
 
 
 def _build_drafter(spec: WorkerSpec, device: torch.device) -> DrafterRunner:
@@ -134,5 +146,5 @@ def _build_drafter(spec: WorkerSpec, device: torch.device) -> DrafterRunner:
     def keep(name: str) -> bool:  # the shared embedding and head, and this rank's modules only
         return name.startswith(("embed_tokens.", "lm_head.") + mine)
 
-    model = load_model(r.model_path, r.dtype, device, keep)
+    model = _load(spec, device, keep)
     return DrafterRunner(model, spec.runner, topo, spec.rank, r.dtype, device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ray
+
 from mtpserve import LLM, SamplingParams
 from tests.conftest import prompts_of
 
@@ -44,3 +46,16 @@ def assert_same_outputs(actual: list, expected: list) -> None:
     greedy = [o for o in expected[:40] if o.accepted_per_step]
     accepted = [x for o in greedy for x in o.accepted_per_step]
     assert 0 < sum(accepted) < 3 * len(accepted), "drafts must be both accepted and rejected"
+
+
+def start_local_ray(num_cpus: int = 4) -> None:
+    """A local Ray instance for one test module; tried twice, since on a loaded CI machine the raylet
+    sometimes misses Ray's own 30 s start-up deadline."""
+    for attempt in range(2):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
