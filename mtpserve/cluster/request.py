@@ -14,7 +14,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: list.remove must not compare every field of every request
 class Request:
     request_id: str
     token_ids: list[int]  # prompt + verified output
