@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -169,7 +169,7 @@ async def _one(client: Any, prompt: str | list[int], params: dict[str, Any], sem
                     t.prompt_tokens, t.completion_tokens, t.accepted, t.steps = (
                         u.prompt_tokens, u.completion_tokens, u.accepted_draft_tokens, u.steps)
         except (grpc.RpcError, RuntimeError) as e:
-            t.ok, t.error = False, str(getattr(e, "details", lambda: str(e))())
+            t.ok, t.error = False, e.details() if isinstance(e, grpc.RpcError) else str(e)
         t.end = time.perf_counter()
         return t
 

@@ -212,7 +212,8 @@ def ray_head() -> Iterator[RayHead]:
     try:
         def dashboard_up() -> bool:
             if head.poll() is not None:
-                raise AssertionError(f"ray start exited with {head.returncode}:\n{(temp / 'ray-start.log').read_text()}")
+                log_text = (temp / "ray-start.log").read_text()
+                raise AssertionError(f"ray start exited with {head.returncode}:\n{log_text}")
             try:
                 return bool(head_info.api("/api/version"))
             except OSError:
