@@ -8,7 +8,9 @@ installed on the GPU hosts.
 
 from __future__ import annotations
 
+import hmac
 import pickle
+import secrets
 import select
 import socket
 import struct
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 _HEADER = struct.Struct("!Q")
+TOKEN_BYTES = 32  # a worker proves it was started by this driver before anything is unpickled
 _SMALL = 1 << 16  # below this, header and payload go out in one write (one segment with TCP_NODELAY)
 
 
@@ -30,8 +33,10 @@ class Channel:
         self.sock = sock
 
     @staticmethod
-    def connect(address: tuple[str, int], timeout: float) -> "Channel":
-        return Channel(socket.create_connection(address, timeout=timeout))
+    def connect(address: tuple[str, int], timeout: float, token: bytes = b"") -> "Channel":
+        sock = socket.create_connection(address, timeout=timeout)
+        sock.sendall(token)
+        return Channel(sock)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -69,9 +74,11 @@ class Channel:
 
 
 class Listener:
-    """The driver's listening socket; workers connect and introduce themselves with ("hello", rank)."""
+    """The driver's listening socket; a worker connects, sends the start-up token (raw bytes, checked
+    before any unpickling: the port is open to the network) and then ("hello", rank)."""
 
     def __init__(self) -> None:
+        self.token = secrets.token_bytes(TOKEN_BYTES)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("0.0.0.0", 0))
@@ -88,6 +95,12 @@ class Listener:
             conn, _ = self.sock.accept()
             ch = Channel(conn)
             conn.settimeout(max(deadline - time.monotonic(), 0.001))  # a silent peer must not stall start-up
+            try:
+                if not hmac.compare_digest(bytes(ch._exactly(TOKEN_BYTES)), self.token):
+                    raise ConnectionError("bad token")
+            except (OSError, ConnectionError):
+                ch.close()  # not one of ours (or it died mid-handshake): keep waiting for the workers
+                continue
             kind, rank = ch.recv()
             if kind != "hello":
                 raise ConnectionError(f"unexpected first message {kind!r} on the control channel")

@@ -36,6 +36,9 @@ class RayExecutor:
     def __init__(self, resolved: "ResolvedConfig") -> None:
         c = resolved.config
         check_shardable(resolved.model_config, c.tensor_parallel_size)
+        if c.drafter_devices > resolved.num_mtp_modules:
+            raise ValueError(f"drafter_devices: {c.drafter_devices} devices for {resolved.num_mtp_modules} MTP "
+                             f"module(s) in use (mtp_chain={c.mtp_chain!r}); each device holds at least one module")
         self.tp, self.drafters = c.tensor_parallel_size, c.drafter_devices
         self.worker_nodes: dict[str, str] = {}  # worker name -> Ray node id
         self._groups: list = []
@@ -68,13 +71,16 @@ class RayExecutor:
         self._spawn(r, use_gpu)
         master = self._get(self._actors[0].rendezvous_address.remote(), deadline, self._names[0])
         driver = (ray.util.get_node_ip_address(), self._listener.port)
-        starts = {a.start.remote(master, driver): name for a, name in zip(self._actors, self._names)}
+        token = self._listener.token
+        starts = {a.start.remote(master, driver, token): name for a, name in zip(self._actors, self._names)}
         self.worker_nodes = self._wait_all(starts, deadline, c.startup_timeout_s)
         try:
             by_rank = self._listener.accept(len(self._actors), deadline)
         except TimeoutError as e:
             raise DeploymentError(f"workers did not connect to the control channel: {e}") from None
         self._channels = [by_rank[rank] for rank in range(len(self._actors))]
+        self._listener.close()  # nobody else may connect once every worker has
+        self._listener = None
         self._serve_refs = [a.serve.remote() for a in self._actors]
 
     def _spawn(self, r: "ResolvedConfig", use_gpu: bool) -> None:

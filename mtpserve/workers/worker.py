@@ -60,7 +60,7 @@ class Worker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, master: tuple[str, int], driver: tuple[str, int]) -> str:
+    def start(self, master: tuple[str, int], driver: tuple[str, int], token: bytes) -> str:
         """Join the group, load, connect to the driver; returns this worker's Ray node id."""
         import ray
 
@@ -72,7 +72,7 @@ class Worker:
         tp_group = dist.new_group(list(range(spec.tp)))  # every rank takes part in creating every group
         _maybe_fault(spec, "load")
         self.runner = _build_target(spec, device, tp_group) if spec.role == "target" else _build_drafter(spec, device)
-        self.channel = Channel.connect(driver, timeout=spec.timeout_s)
+        self.channel = Channel.connect(driver, timeout=spec.timeout_s, token=token)
         self.channel.send(("hello", spec.rank))
         return ray.get_runtime_context().get_node_id()
 

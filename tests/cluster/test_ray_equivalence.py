@@ -18,6 +18,8 @@ from tests.checkpoints import make_hf_checkpoint
 from tests.cluster.ray_helpers import assert_same_outputs, generate, start_local_ray
 from tests.conftest import prompts_of
 
+pytestmark = pytest.mark.slow  # several processes (Ray workers), each importing torch
+
 SHORT_OF_BLOCKS = dict(num_kv_blocks=40)
 
 

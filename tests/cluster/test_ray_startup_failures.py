@@ -19,6 +19,8 @@ from mtpserve.errors import CheckpointError, DeploymentError
 from tests.checkpoints import make_hf_checkpoint
 from tests.cluster.ray_helpers import start_local_ray
 
+pytestmark = pytest.mark.slow  # several processes (Ray workers), each importing torch
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -93,3 +95,8 @@ def test_worker_dies_during_start_up(ckpt: Path, local_ray, monkeypatch: pytest.
 def test_tensor_parallel_size_must_divide_the_heads(ckpt: Path, local_ray) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide this model's num_attention_heads"):
         LLM(str(ckpt), tensor_parallel_size=3)
+
+
+def test_more_drafter_devices_than_modules(ckpt: Path, local_ray) -> None:
+    with pytest.raises(ValueError, match=r"drafter_devices: 3 devices for 2 MTP module\(s\) in use"):
+        LLM(str(ckpt), drafter_devices=3)

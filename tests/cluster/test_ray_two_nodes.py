@@ -24,6 +24,8 @@ import pytest
 
 from tests.cluster.ray_helpers import generate
 
+pytestmark = pytest.mark.slow  # several processes (Ray workers), each importing torch
+
 
 # Token authentication off for this throwaway local cluster and its driver: Ray decides a process's
 # mode once, so every process here is started with the same setting.
