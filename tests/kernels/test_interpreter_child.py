@@ -17,7 +17,12 @@ import pytest
 def test_interpreted_kernels_in_child_process():
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         pytest.skip("this process already runs the interpreted kernel tests")
-    pytest.importorskip("triton", reason="triton is not importable")
+    triton = pytest.importorskip("triton", reason="triton is not importable")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        # Seen on the GPU hosts' Triton 3.6: its interpreter fails inside its own scalar conversion
+        # ("only 0-dimensional arrays can be converted to Python scalars"); the compiled kernels pass
+        # there, and CI runs these interpreted cases under Triton 3.9.
+        pytest.skip(f"the Triton {triton.__version__} interpreter cannot run these kernels; needs >= 3.9")
     here = Path(__file__).resolve().parent
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider", "-k", "interpret and cpu"],
