@@ -232,6 +232,7 @@ def ray_head() -> Iterator[RayHead]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_ray_job_submit_serves_and_stops(ray_head: RayHead, trained_ckpt: Path, tmp_path: Path) -> None:
     """The job's driver runs the router; `use_ray` puts the model on a worker actor of the cluster."""
     job_dir = tmp_path / "job"  # the working dir that gets uploaded: just the config
