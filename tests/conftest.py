@@ -11,31 +11,26 @@ from mtpserve.workers.models.train import synthetic_tokens, tiny_config, train_t
 from mtpserve.workers.models.writer import save_checkpoint
 
 
-@pytest.fixture(scope="session")
-def trained_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3 target with 3 DeepSeek-style MTP modules, trained briefly on a noisy Markov stream.
-
-    Trained just enough that the modules predict often but not always: speculation then sees a mix
-    of accepted and rejected drafts, which is what the equivalence and replay tests need.
-    """
-    path = tmp_path_factory.mktemp("trained")
+def _trained(path: Path, steps: int) -> Path:
+    """A tiny Qwen3 target with 3 DeepSeek-style MTP modules, trained on a noisy Markov stream."""
     cfg = tiny_config(vocab_size=64, num_mtp=3)
-    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=40, seed=0,
+    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=steps, seed=0,
                              seq_len=32, batch_size=16, lr=1e-2)
     save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
     return path
+
+
+@pytest.fixture(scope="session")
+def trained_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Trained until its MTP modules predict well: speculation accepts most drafts."""
+    return _trained(tmp_path_factory.mktemp("trained"), steps=40)
 
 
 @pytest.fixture(scope="session")
 def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Trained so briefly that the MTP modules are right about a third of the time: drafts are
     accepted and rejected in every pattern, which is what equivalence and replay must survive."""
-    path = tmp_path_factory.mktemp("partly_trained")
-    cfg = tiny_config(vocab_size=64, num_mtp=3)
-    target, mtp = train_tiny(synthetic_tokens(64, 20_000, seed=1, noise=0.3), cfg, steps=8, seed=0,
-                             seq_len=32, batch_size=16, lr=1e-2)
-    save_checkpoint(path, cfg, target, mtp, dtype=torch.float32)
-    return path
+    return _trained(tmp_path_factory.mktemp("partly_trained"), steps=8)
 
 
 def prompts_of(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
