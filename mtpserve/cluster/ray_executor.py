@@ -79,6 +79,8 @@ class RayExecutor:
         except TimeoutError as e:
             raise DeploymentError(f"workers did not connect to the control channel: {e}") from None
         self._channels = [by_rank[rank] for rank in range(len(self._actors))]
+        self._by_fd = {ch.fileno(): (ch, name) for ch, name in zip(self._channels, self._names)}
+        self._fds = list(self._by_fd)
         self._listener.close()  # nobody else may connect once every worker has
         self._listener = None
         self._serve_refs = [a.serve.remote() for a in self._actors]
@@ -121,6 +123,8 @@ class RayExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         if self._failed:
             raise DeploymentError(f"the deployment has failed: {self._failed}")
+        if not self._channels:
+            raise DeploymentError("the executor has been shut down")
         data = pickle.dumps(("plan", plan), protocol=pickle.HIGHEST_PROTOCOL)
         for ch, name in zip(self._channels, self._names):
             try:
@@ -130,9 +134,9 @@ class RayExecutor:
         return self._await_result()
 
     def _await_result(self) -> StepResult:
-        by_fd = {ch.fileno(): (ch, name) for ch, name in zip(self._channels, self._names)}
+        by_fd, fds = self._by_fd, self._fds
         while True:
-            ready = select.select(list(by_fd), [], [], 1.0)[0]
+            ready = select.select(fds, [], [], 1.0)[0]
             if not ready:
                 self._check_alive()  # a hung collective looks like silence: see whether a worker is gone
                 continue
