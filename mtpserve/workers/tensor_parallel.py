@@ -18,6 +18,7 @@ Collectives run on the tensor-parallel group: NCCL on CUDA, gloo on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -100,20 +101,40 @@ class VocabParallelHead(nn.Module):
         return all_gather_last(F.linear(x, self.weight), self.tp)[:, : self.vocab]
 
 
-def shard_model(target: TargetModel, mtp: MTPStack | None, tp: TPGroup) -> None:
-    """Shard in place: the target's layers, embedding and head, and (when given) every MTP module."""
+def shard_model(target: TargetModel, mtp: MTPStack | None, tp: TPGroup,
+                fetch: Callable[[str], None] | None = None, device: torch.device | None = None) -> None:
+    """Shard in place: the target's layers, embedding and head, and (when given) every MTP module.
+
+    With `fetch`, the model may still be on the meta device: fetch(prefix) loads the parameters under
+    that prefix ("layers.3.", "embed_tokens.", "mtp.0.", ...) just before their part is sharded, and
+    each part moves to `device` right after, so only one unsharded part at a time is ever in memory.
+    """
     check_shardable(target.cfg, tp.world)
-    for layer in target.layers:
+    fetch = fetch or (lambda prefix: None)
+
+    def place(module: nn.Module) -> nn.Module:
+        return module.to(device) if device is not None else module
+
+    for i, layer in enumerate(target.layers):
+        fetch(f"layers.{i}.")
         _shard_layer(layer, tp)
+        place(layer)
+    fetch("embed_tokens.")
     tied = target.lm_head.weight is target.embed_tokens.weight
-    target.embed_tokens = VocabParallelEmbedding(target.embed_tokens.weight, tp)
-    target.lm_head = _head(target.lm_head, target.embed_tokens if tied else None, tp)
-    for module in (mtp.mtp if mtp is not None else []):
+    target.embed_tokens = place(VocabParallelEmbedding(target.embed_tokens.weight, tp))
+    if not tied:
+        fetch("lm_head.")
+    target.lm_head = place(_head(target.lm_head, target.embed_tokens if tied else None, tp))
+    fetch("norm.")
+    place(target.norm)
+    for k, module in enumerate(mtp.mtp if mtp is not None else []):
+        fetch(f"mtp.{k}.")
         _shard_layer(module.block, tp)  # eh_proj and the norms stay replicated: small, and need full rows
         if module.embed_tokens is not None:
             module.embed_tokens = VocabParallelEmbedding(module.embed_tokens.weight, tp)
         if module.head is not None:
             module.head = _head(module.head, None, tp)
+        place(module)
 
 
 def _shard_layer(layer: DecoderLayer, tp: TPGroup) -> None:

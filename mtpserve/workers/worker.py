@@ -12,7 +12,7 @@ import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,11 +21,13 @@ from mtpserve.cluster.channel import Channel, ChannelClosed
 from mtpserve.errors import CheckpointError
 from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink, Topology
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
-from mtpserve.workers.models.loader import LoadedModel, load_model
+from mtpserve.workers.models.loader import CheckpointLoader, load_model
 from mtpserve.workers.tensor_parallel import TPGroup, shard_model
 
 if TYPE_CHECKING:
     from mtpserve.cluster.engine_config import ResolvedConfig
+
+T = TypeVar("T")
 
 # Test-only fault injection: "<role>:<rank>:<point>" makes that worker's process exit at that point.
 FAULT_ENV = "MTPSERVE_TEST_FAULT"
@@ -118,25 +120,32 @@ def _topology(spec: WorkerSpec) -> Topology:
 
 def _build_target(spec: WorkerSpec, device: torch.device, tp_group: dist.ProcessGroup) -> ModelRunner:
     r, colocated = spec.resolved, spec.drafters == 0
-    keep = None if colocated else (lambda name: not name.startswith("mtp."))
-    # Sharding slices the loaded tensors: load on the host, move only this rank's shard to the device.
-    model = _load(spec, "cpu" if spec.tp > 1 else device, keep)
-    if spec.tp > 1:
-        shard_model(model.target, model.mtp if colocated else None, TPGroup(spec.rank, spec.tp, tp_group))
-        model = LoadedModel(model.config, model.target.to(device), model.mtp.to(device) if colocated else model.mtp)
+    if spec.tp == 1:
+        keep = None if colocated else (lambda name: not name.startswith("mtp."))
+        model = _loading(spec, lambda: load_model(r.model_path, r.dtype, device, keep))
+    else:
+        # One part at a time: load it on the host, shard it, move the shard to the device.
+        loader = _loading(spec, lambda: CheckpointLoader(r.model_path, r.dtype, device))
+        model = loader.model
+
+        def fetch(prefix: str) -> None:
+            _loading(spec, lambda: loader.load(lambda name: name.startswith(prefix), "cpu"))
+
+        shard_model(model.target, model.mtp if colocated else None, TPGroup(spec.rank, spec.tp, tp_group),
+                    fetch, device)
     remote = None if colocated else TargetDraftLink(_topology(spec), spec.rank, spec.runner.draft_top_m, device)
     return ModelRunner(model, spec.runner, r.dtype, device, remote)
 
 
-def _load(spec: WorkerSpec, device: torch.device | str, keep) -> LoadedModel:
-    """load_model, with any failure reading the files reported as a checkpoint error naming the path."""
-    path = spec.resolved.model_path
+def _loading(spec: WorkerSpec, load: Callable[[], T]) -> T:
+    """Run a load step; a failure reading the files becomes a checkpoint error naming the path."""
     try:
-        return load_model(path, spec.resolved.dtype, device, keep)
+        return load()
     except CheckpointError:
         raise
     except Exception as e:  # e.g. a truncated safetensors file: the reader's own error type
-        raise CheckpointError(f"cannot load the checkpoint at {path}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"cannot load the checkpoint at {spec.resolved.model_path}: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def _build_drafter(spec: WorkerSpec, device: torch.device) -> DrafterRunner:
@@ -146,5 +155,5 @@ def _build_drafter(spec: WorkerSpec, device: torch.device) -> DrafterRunner:
     def keep(name: str) -> bool:  # the shared embedding and head, and this rank's modules only
         return name.startswith(("embed_tokens.", "lm_head.") + mine)
 
-    model = _load(spec, device, keep)
+    model = _loading(spec, lambda: load_model(r.model_path, r.dtype, device, keep))
     return DrafterRunner(model, spec.runner, topo, spec.rank, r.dtype, device)

@@ -38,30 +38,49 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     """Load every tensor, or (with `keep`) only the parameters whose names it accepts ("embed_tokens.weight",
     "layers.0....", "mtp.1...."): the others stay on the meta device, so a drafter process can hold its MTP
     modules without the target's layers. The whole checkpoint is checked either way."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
-    cfg = ModelConfig.from_dir(path)
-    index = _tensor_index(path)
-    specs = target_specs(cfg) + mtp_specs(cfg)
-    _check(cfg, specs, index)
-    present = [s for s in specs if s.ckpt_name in index]
-    with torch.device("meta"), _default_dtype(dtype):
-        target = TargetModel(cfg)
-        mtp = MTPStack(cfg, target.rotary)
-        _add_module_copies(cfg, mtp, present)
-    if keep is None:
-        target.to_empty(device=device)
-        mtp.to_empty(device=device)
-    else:
+    loader = CheckpointLoader(path, dtype, device)
+    loader.load(keep, device)
+    return loader.model
+
+
+class CheckpointLoader:
+    """A checked checkpoint and its model built on the meta device, loaded a part at a time.
+
+    Tensor parallelism loads this way: one layer on the host, shard it, move the shard to the device,
+    next layer; so a rank never holds the whole model, on the device or on the host.
+    """
+
+    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> None:
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+        cfg = ModelConfig.from_dir(path)
+        self.path, self.index = path, _tensor_index(path)
+        specs = target_specs(cfg) + mtp_specs(cfg)
+        _check(cfg, specs, self.index)
+        self.present = [s for s in specs if s.ckpt_name in self.index]
+        with torch.device("meta"), _default_dtype(dtype):
+            target = TargetModel(cfg)
+            mtp = MTPStack(cfg, target.rotary)
+            _add_module_copies(cfg, mtp, self.present)
         target.rotary.to_empty(device=device)
-        _materialize({**_params(target, ""), **_params(mtp, "")}, target, mtp, keep, device)
-        present = [s for s in present if keep(s.param)]
-    target.rotary.reset()
-    if cfg.tie_word_embeddings:
-        target.lm_head.weight = target.embed_tokens.weight
-    _copy_weights(path, index, present, {**_params(target, ""), **_params(mtp, "")})
-    return LoadedModel(cfg, target.eval(), mtp.eval())
+        target.rotary.reset()
+        self.model = LoadedModel(cfg, target.eval(), mtp.eval())
+
+    def load(self, keep: Callable[[str], bool] | None, device: torch.device | str) -> None:
+        """Give the parameters `keep` accepts (all when None) storage on `device` and copy them in."""
+        cfg, target, mtp = self.model.config, self.model.target, self.model.mtp
+        if keep is None:
+            target.to_empty(device=device)
+            mtp.to_empty(device=device)
+            target.rotary.reset()
+            specs = self.present
+        else:
+            _materialize({**_params(target, ""), **_params(mtp, "")}, target, mtp, keep, device)
+            specs = [s for s in self.present if keep(s.param)]
+        if cfg.tie_word_embeddings and (keep is None or keep("embed_tokens.weight")):
+            target.lm_head.weight = target.embed_tokens.weight
+        _copy_weights(self.path, self.index, specs, {**_params(target, ""), **_params(mtp, "")})
 
 
 def _materialize(params: dict[str, torch.Tensor], target: nn.Module, mtp: nn.Module, keep: Callable[[str], bool],
