@@ -120,6 +120,8 @@ def _num_blocks(config: EngineConfig, cfg: ModelConfig, path: Path, modules: int
     # Never more than every running request at full length needs (plus draft slack).
     enough = config.max_num_seqs * -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // config.block_size)
     if device.type == "cuda":
+        if not torch.cuda.is_available():  # e.g. a CPU-only driver deploying onto a GPU Ray cluster
+            raise ValueError("num_kv_blocks: this process has no GPU to size the KV cache from; set it explicitly")
         weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) // config.tensor_parallel_size
         budget = torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization - weights
         budget -= 2 * 1024**3  # activations, logits and the allocator's slack

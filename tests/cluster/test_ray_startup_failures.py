@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from ray.util import placement_group_table
 
 from mtpserve import LLM
@@ -100,3 +101,10 @@ def test_tensor_parallel_size_must_divide_the_heads(ckpt: Path, local_ray) -> No
 def test_more_drafter_devices_than_modules(ckpt: Path, local_ray) -> None:
     with pytest.raises(ValueError, match=r"drafter_devices: 3 devices for 2 MTP module\(s\) in use"):
         LLM(str(ckpt), drafter_devices=3)
+
+
+def test_a_driver_without_gpus_must_be_told_the_kv_size(ckpt: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this driver has a GPU to size the KV cache from")
+    with pytest.raises(ValueError, match=r"num_kv_blocks: this process has no GPU"):
+        LLM(str(ckpt), device="cuda", tensor_parallel_size=2)
