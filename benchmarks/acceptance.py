@@ -40,8 +40,7 @@ from mtpserve.sampling_params import SamplingParams  # noqa: E402
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(p)
-    p.add_argument("--model", default=None, help="checkpoint dir (default: mtpserve/default_model)")
-    p.add_argument("--prompts", default="stdlib", help="'stdlib' (held-out functions) or a prompt file")
+    common.add_model_prompt_args(p)
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--prompt-lines", type=int, default=2, help="lines of each held-out function in its prompt")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -216,3 +216,20 @@ def check(cond: bool, message: str) -> None:
 
 def gb(nbytes: float) -> float:
     return nbytes / 1e9
+
+
+def add_llama8b_shape_args(p: argparse.ArgumentParser) -> None:
+    """Target shape flags; the defaults are Llama-3-8B's."""
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+
+
+def add_model_prompt_args(p: argparse.ArgumentParser) -> None:
+    """Which checkpoint to serve and where its prompts come from."""
+    p.add_argument("--model", default=None, help="checkpoint dir (default: mtpserve/default_model)")
+    p.add_argument("--prompts", default="stdlib", help="'stdlib' (held-out functions) or a prompt file")
