@@ -2,7 +2,7 @@
 
 A null step (an empty plan: every worker applies it and target rank 0 answers at once) measures the
 channel alone; for scale it also times a Ray actor call round trip and the pickling of a realistic
-decode plan (64 requests, 4 drafts each, a new block for a quarter of them). DESIGN.md §2 budgets
+decode plan (64 requests, 4 drafts each, a new block for a quarter of them). docs/design.md §2 budgets
 100 us per step for the control path on one node.
 
     python benchmarks/control_overhead.py [--tp 2] [--drafters 2] [--steps 3000]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One verify step of an 8B-shaped target + 3 MTP modules against the DESIGN.md §6 floor.
+"""One verify step of an 8B-shaped target + 3 MTP modules against the docs/design.md §6 floor.
 
     python benchmarks/step_benchmark.py                      # Llama-3-8B shapes, bf16, on cuda (~17.5 GB)
     python benchmarks/step_benchmark.py --tiny --device cpu  # tiny shapes, seconds

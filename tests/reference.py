@@ -1,4 +1,4 @@
-"""An independent plain-torch reference of the target decoder and the MTP modules (DESIGN.md §3).
+"""An independent plain-torch reference of the target decoder and the MTP modules (docs/design.md §3).
 
 Its own RMSNorm, RoPE, causal GQA attention and SwiGLU, with every weight read straight from
 model.safetensors by its checkpoint name: nothing of mtpserve's layers, config parsing or weight maps.

@@ -1,4 +1,4 @@
-"""KV block accounting for every KV group (DESIGN.md §5): the target group and one group per MTP module.
+"""KV block accounting for every KV group (docs/design.md §5): the target group and one group per MTP module.
 
 The router side decides which physical blocks each request owns; workers only hold the pools.
 Allocation is all-or-nothing across groups, so a failed allocation never leaves a request half-grown.

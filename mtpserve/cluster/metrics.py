@@ -34,7 +34,7 @@ def kv_group_names(num_mtp_modules: int) -> list[str]:
 
 
 def drafting_module(position: int, num_mtp_modules: int, chain: str) -> int:
-    """The MTP module that drafts draft position `position` (DESIGN.md §3): in the depth chain module
+    """The MTP module that drafts draft position `position` (docs/design.md §3): in the depth chain module
     k drafts position k and the last module continues recursively; the recursive chain uses module 0."""
     return 0 if chain == "recursive" else min(position, max(num_mtp_modules - 1, 0))
 

@@ -1,4 +1,4 @@
-"""The gRPC router (DESIGN.md §2, §7): an asyncio servicer in front of one engine thread.
+"""The gRPC router (docs/design.md §2, §7): an asyncio servicer in front of one engine thread.
 
 The engine is not thread-safe, so one thread owns it (EngineLoop). The asyncio side talks to it
 through an inbox (add / abort / call / stop); the engine thread answers each request through a sink

@@ -114,7 +114,7 @@ class Scheduler:
         return n, max(0, min(req.num_drafts, budget - n, req.tokens_left - 1))
 
     def _slots(self, req: Request, n: int, d: int) -> list[int]:
-        """Positions each KV group must cover this step (DESIGN.md §5)."""
+        """Positions each KV group must cover this step (docs/design.md §5)."""
         end = req.num_computed + n + d
         final = req.num_computed + n == len(req.token_ids)
         extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)

@@ -9,7 +9,7 @@ from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 
 @dataclass
 class SpecCounters:
-    """Cumulative speculation counters (DESIGN.md §7: per draft position)."""
+    """Cumulative speculation counters (docs/design.md §7: per draft position)."""
 
     num_drafts: int = 0  # verification steps that verified at least one draft
     num_draft_tokens: int = 0

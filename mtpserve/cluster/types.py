@@ -1,4 +1,4 @@
-"""Boundary dataclasses between the scheduler and the workers (DESIGN.md §2).
+"""Boundary dataclasses between the scheduler and the workers (docs/design.md §2).
 
 A StepPlan carries only what changed since the last step; workers keep their own per-request state.
 """

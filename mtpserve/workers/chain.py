@@ -1,4 +1,4 @@
-"""Which MTP module drafts which token, and where (DESIGN.md §3).
+"""Which MTP module drafts which token, and where (docs/design.md §3).
 
 Draft step j (0-based) produces the token at frontier + j. In the depth chain step j < L runs module j
 at the drafting position p; steps past the last module recurse on module L-1 at p+1, p+2, ...

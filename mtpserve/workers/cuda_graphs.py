@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the target forward for decode / verify steps (DESIGN.md §6).
+"""CUDA-graph replay of the target forward for decode / verify steps (docs/design.md §6).
 
 Why: a verify step launches ~700 small kernels from Python and the GPU idles between them (an 8B
 target at batch 1: 19.5 ms per step against a 3.6 ms memory floor). Replaying a captured graph

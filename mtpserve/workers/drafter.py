@@ -1,4 +1,4 @@
-"""The MTP drafter chain (DESIGN.md §3), run right after the target verified a step.
+"""The MTP drafter chain (docs/design.md §3), run right after the target verified a step.
 
 Module m at position i consumes t_{i+m+1} and g^{m-1}_i (g^{-1} = target hidden). It keeps a KV
 entry only where those inputs are verified: after a step with N' verified tokens it has committed
@@ -7,7 +7,7 @@ position p = N'-2; entries there that used drafts are overwritten next step. Mod
 one position module m committed in an earlier step: that row is kept in the slot's `carry`.
 Prefill chunks run the same code, so the first drafts come out of the prefill step itself.
 
-The modules may live on several devices (the drafter group, DESIGN.md §2): then every process runs
+The modules may live on several devices (the drafter group, docs/design.md §2): then every process runs
 this same loop over the same per-request state, computes only the passes of the modules it owns
 (`link.owns`), keeps the host bookkeeping of all of them, and hands the chain on through the link.
 """

@@ -1,4 +1,4 @@
-"""The drafter group (DESIGN.md §2): MTP modules on their own devices, fed by the target ranks.
+"""The drafter group (docs/design.md §2): MTP modules on their own devices, fed by the target ranks.
 
 One torch.distributed process group spans the replica: target ranks 0..tp-1, then drafter ranks
 tp..tp+G-1; module k lives on drafter rank tp + k mod G. Every process applies the same StepPlans, so

@@ -3,7 +3,7 @@
 The only host-device sync per step is reading the accepted tokens (needed to lay out the drafter's
 batch and to answer the scheduler). Drafts stay on the device between steps.
 
-With a drafter group (DESIGN.md §2) the chain runs in other processes: a `RemoteDrafts` link hands
+With a drafter group (docs/design.md §2) the chain runs in other processes: a `RemoteDrafts` link hands
 them the verified tokens and hidden states, and `finish_step` takes their drafts back into the slots.
 """
 

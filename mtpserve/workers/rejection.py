@@ -1,4 +1,4 @@
-"""Lossless verification of a window of drafts (DESIGN.md §4), batched over requests.
+"""Lossless verification of a window of drafts (docs/design.md §4), batched over requests.
 
 Sampled rows: accept draft d_j with probability min(1, p_j(d_j) / q'_j(d_j)); at the first rejection
 emit a token from norm(max(0, p_j - q'_j)); if every draft is accepted emit the bonus token from

@@ -1,4 +1,4 @@
-"""The request's sampling transform, applied identically to target and draft logits (DESIGN.md §4).
+"""The request's sampling transform, applied identically to target and draft logits (docs/design.md §4).
 
 All functions are batched over rows [B, V]; per-row settings are tensors, never Python loops.
 Randomness is counter-based: a uniform is a hash of (seed, token index, stream), so a seeded request

@@ -2,7 +2,7 @@
 
 Thin on purpose: Ray constructs a Worker, `start` joins the replica's torch.distributed group, loads
 (and shards) the model and connects to the driver's control channel; `serve` then runs the step loop
-until told to stop. No per-step traffic goes through Ray (DESIGN.md §2).
+until told to stop. No per-step traffic goes through Ray (docs/design.md §2).
 """
 
 from __future__ import annotations

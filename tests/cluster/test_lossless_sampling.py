@@ -1,4 +1,4 @@
-"""End-to-end losslessness (DESIGN.md §4): with k = 3 the first two tokens have the distribution
+"""End-to-end losslessness (docs/design.md §4): with k = 3 the first two tokens have the distribution
 that sampling without speculation has, for each sampling setting.
 
 The reference is exact, not sampled: p(t1, t2) = p(t1 | prompt) * p(t2 | prompt, t1), from

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a real server (DESIGN.md §7): a scrape after traffic parses, follows the naming
+"""Prometheus metrics of a real server (docs/design.md §7): a scrape after traffic parses, follows the naming
 rules, and its counters agree with what the requests reported."""
 
 from __future__ import annotations

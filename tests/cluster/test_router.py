@@ -1,4 +1,4 @@
-"""The gRPC router on loopback with the real client (DESIGN.md §7): streaming equals LLM.generate, abort
+"""The gRPC router on loopback with the real client (docs/design.md §7): streaming equals LLM.generate, abort
 and cancellation free the KV, concurrency, every bad input's status, health, reflection, stub freshness."""
 
 from __future__ import annotations

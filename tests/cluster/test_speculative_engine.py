@@ -1,4 +1,4 @@
-"""The speculative engine end to end on CPU (DESIGN.md §3-§5): equivalence, replay, seeds, accounting."""
+"""The speculative engine end to end on CPU (docs/design.md §3-§5): equivalence, replay, seeds, accounting."""
 
 from __future__ import annotations
 

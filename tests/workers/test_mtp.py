@@ -1,6 +1,6 @@
-"""MTP modules (DESIGN.md §3) against an independent teacher-forced reference, both layouts.
+"""MTP modules (docs/design.md §3) against an independent teacher-forced reference, both layouts.
 
-The reference below is plain torch written from the DESIGN.md §3 formula: its own RMSNorm, RoPE,
+The reference below is plain torch written from the docs/design.md §3 formula: its own RMSNorm, RoPE,
 causal GQA attention and SwiGLU, with every weight read straight from model.safetensors by its
 checkpoint name. It does not use mtpserve's layers, config parsing or weight-name maps; the wiring
 flags (which target hidden, concat order, what the next module receives, position-0 masking) are

@@ -1,4 +1,4 @@
-"""DESIGN.md §3 KV invariant, checked directly on the pools: every committed MTP KV entry equals what a
+"""docs/design.md §3 KV invariant, checked directly on the pools: every committed MTP KV entry equals what a
 teacher-forced pass of the same module over the final verified sequence computes.
 
 (The acceptance-replay test checks the same invariant through its effect on drafts; a tiny model's

@@ -1,4 +1,4 @@
-"""The verification function alone (DESIGN.md §4): exact target distribution at every window position."""
+"""The verification function alone (docs/design.md §4): exact target distribution at every window position."""
 
 from __future__ import annotations
 

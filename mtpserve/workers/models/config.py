@@ -30,7 +30,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MTPConfig:
-    """How the checkpoint's MTP modules are laid out and wired (DESIGN.md §3)."""
+    """How the checkpoint's MTP modules are laid out and wired (docs/design.md §3)."""
 
     num_modules: int = 0
     layout: str = "deepseek"  # "deepseek": model.layers.{L+k}.*; "mimo": model.mtp_layers.{k}.*

@@ -1,4 +1,4 @@
-"""MTP modules (DESIGN.md §3): enorm, hnorm, eh_proj, one decoder block and the head norm per module.
+"""MTP modules (docs/design.md §3): enorm, hnorm, eh_proj, one decoder block and the head norm per module.
 
 Module k at position i:  x = eh_proj(cat(enorm(Emb(t_{i+k+1})), hnorm(g^{k-1}_i)))   (order per architecture)
                          g^k_i = Block_k(x);  logits^k = Head(norm_k(g^k_i)) predicts t_{i+k+2}

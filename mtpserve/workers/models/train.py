@@ -5,7 +5,7 @@ cache (training has no cache), but it calls the very sub-layers and parameters o
 MTPStack, so a trained model is saved with writer.save_checkpoint and served by loader.load_model
 unchanged. tests/workers/test_train.py checks that both paths give the same logits.
 
-Head j (0 = target, j = k+1 = MTP module k) at position i predicts t_{i+j+1} (DESIGN.md §3):
+Head j (0 = target, j = k+1 = MTP module k) at position i predicts t_{i+j+1} (docs/design.md §3):
 module k consumes g^{k-1}_i (g^{-1} = target hidden) and Emb(t_{i+k+1}).
 """
 
