@@ -36,7 +36,8 @@ class EngineConfig:
     drafter_devices: int = 0  # 0 = drafter colocated with target rank 0
     use_ray: bool = False
     seed: int = 0
-    cuda_graphs: bool = True  # replay the target forward of decode/verify steps as CUDA graphs (CUDA only)
+    cuda_graphs: bool = True  # replay whole uniform steps (or, with a drafter group, the target) as CUDA graphs
+    uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
     # Ray deployment (tensor_parallel_size > 1, drafter_devices > 0 or use_ray):
     ray_address: str | None = None  # None: ray.init()'s default (RAY_ADDRESS, else a local instance)
     placement_timeout_s: float = 60.0  # waiting for the placement groups

@@ -16,7 +16,8 @@ def runner_config(r: "ResolvedConfig") -> RunnerConfig:
     c = r.config
     # Graphs only without tensor parallelism: its all-reduces inside the forward are not captured.
     return RunnerConfig(r.num_blocks, c.block_size, c.max_num_seqs, r.num_mtp_modules, c.mtp_chain, c.draft_top_m,
-                        cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1, max_model_len=r.max_model_len)
+                        cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1, max_model_len=r.max_model_len,
+                        uniform_steps=c.uniform_steps)
 
 
 class LocalExecutor:

@@ -1,10 +1,13 @@
 """Executes one StepPlan: target forward over the flat batch, verification, then the MTP drafter.
 
-The only host-device sync per step is reading the accepted tokens (needed to lay out the drafter's
-batch and to answer the scheduler). Drafts stay on the device between steps.
+Uniform steps (every request at its frontier) run device-resident at fixed shapes, as one CUDA graph
+on a GPU (mtpserve/workers/uniform_step.py, docs/design.md §8). Other steps (prefill chunks mixed in)
+run the general path: host-planned layouts, the target eagerly, then the host-planned drafter.
+Either way the step's one device-to-host copy is its packed result.
 
 With a drafter group (docs/design.md §2) the chain runs in other processes: a `RemoteDrafts` link hands
-them the verified tokens and hidden states, and `finish_step` takes their drafts back into the slots.
+them the verified tokens and hidden states, and `finish_step` takes their drafts back into the slots;
+those replicas take the general path, with CUDA graphs for the target forward of decode steps.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 from mtpserve.cluster.types import StepPlan, StepResult
 from mtpserve.workers.batch import build_metadata
 from mtpserve.workers.cuda_graphs import TargetGraphs
@@ -26,8 +30,11 @@ from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify
 from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
                                        uniforms)
+from mtpserve.workers.slot_state import DeviceState, StateDiffs, sampling_flags
 from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
                                     sampling_tensors)
+from mtpserve.workers.uniform_graphs import UniformGraphs
+from mtpserve.workers.uniform_step import StepShape, UniformStep
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,8 @@ class RunnerConfig:
     draft_top_m: int
     cuda_graphs: bool = True  # decode/verify target forwards replay CUDA graphs (only on CUDA devices)
     max_model_len: int | None = None  # fixes the graphs' block-table width; None = the model's max_position
+    uniform_steps: bool = True  # device-resident fixed-shape steps where every request is at its frontier
+    pad_uniform_steps: bool | None = None  # pad uniform steps to batch buckets; None = only with CUDA graphs
 
 
 class RemoteDrafts(Protocol):
@@ -65,16 +74,28 @@ class ModelRunner:
             model.mtp, model.target.embed_tokens, model.target.lm_head, self.kv.mtp, self.slots,
             config.block_size, config.chain_mode, config.draft_top_m, self.vocab)
         self.requests: dict[str, CachedRequest] = {}
-        self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size,
-                                   config.max_model_len or cfg.max_position, device) \
-            if config.cuda_graphs and device.type == "cuda" else None
+        max_len = config.max_model_len or cfg.max_position
+        graphs = config.cuda_graphs and device.type == "cuda"
+        self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
+                                   device) if graphs and remote is not None else None
+        self.diffs: StateDiffs | None = None
+        self.uniform: UniformGraphs | None = None
+        if remote is None and config.uniform_steps:
+            groups, max_blocks = 1 + local_modules, -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // config.block_size)
+            state = DeviceState(config.max_num_seqs, groups, max_blocks, config.block_size, self.vocab, device)
+            self.diffs = StateDiffs(config.max_num_seqs, groups, max_blocks, config.block_size)
+            step = UniformStep(model, self.kv, self.slots, state, config.chain_mode, config.draft_top_m, local_modules)
+            self.uniform = UniformGraphs(step, state, config.max_num_seqs, device, graphs, config.pad_uniform_steps)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        apply_plan(self.requests, self.slots, plan, self.config.num_mtp_modules)
+        apply_plan(self.requests, self.slots, plan, self.config.num_mtp_modules, self.diffs)
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return StepResult()
+        shape = self._uniform_shape(reqs, plan)
+        if shape is not None:
+            return self._run_uniform(reqs, plan, shape)
         t0 = time.perf_counter()
         lay = StepLayout.of(reqs, plan)
         hidden = self._run_target(reqs, lay)
@@ -89,6 +110,38 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only for honest phase timing; the step ends here anyway
         result.target_seconds, result.draft_seconds = t1 - t0, time.perf_counter() - t1
+        if self.diffs is not None:  # the device-resident state follows the tokens this step produced
+            for req_id in result.req_ids:
+                self.diffs.tokens(self.requests[req_id].slot, self.requests[req_id].token_ids)
+        return result
+
+    def _uniform_shape(self, reqs: list[CachedRequest], plan: StepPlan) -> StepShape | None:
+        """The shape of a uniform step, or None when the step takes the general path."""
+        modules = self.config.num_mtp_modules
+        if self.uniform is None or any(n != 1 for n in plan.num_tokens):
+            return None
+        # At the frontier, and past the first `modules` positions (module m's rows start at N - m - 1).
+        if any(r.num_computed != len(r.token_ids) - 1 or len(r.token_ids) <= modules for r in reqs):
+            return None
+        chain = max(r.num_spec for r in reqs) if modules else 0
+        return StepShape(1 + max(plan.num_drafts), chain, sampling_flags([r.params for r in reqs], self.vocab))
+
+    def _run_uniform(self, reqs: list[CachedRequest], plan: StepPlan, shape: StepShape) -> StepResult:
+        t0 = time.perf_counter()
+        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
+        packed, raw = self.uniform.run(slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
+        host = self._to_host(reqs, packed, raw)  # the step's one sync
+        result, modules, k = StepResult(), self.config.num_mtp_modules, shape.window - 1
+        for r, row in zip(reqs, host):
+            a = int(row[0])
+            tokens = [int(t) for t in row[1 : a + 2]]
+            result.req_ids.append(r.req_id), result.num_accepted.append(a), result.token_ids.append(tokens)
+            result.logprobs.append(_logprob_dicts(row, a, k, r.params.logprobs))
+            r.token_ids += tokens
+            n = r.num_computed = len(r.token_ids) - 1
+            for m in range(min(r.num_spec, modules)):  # the modules the chain ran for this request
+                r.mtp_computed[m] = max(0, n - m)
+        result.target_seconds = time.perf_counter() - t0  # one graph: no phase split
         return result
 
     @torch.inference_mode()
@@ -142,7 +195,7 @@ class ModelRunner:
             uniforms(seed, frontier + torch.arange(k, device=dev), STREAM_ACCEPT),
             uniforms(seed, frontier + torch.arange(k + 1, device=dev), STREAM_SAMPLE),
         )
-        host = self._to_host(f_reqs, accepted, tokens, raw)  # the step's one sync
+        host = self._to_host(f_reqs, torch.cat((accepted[:, None], tokens), dim=1), raw)  # the step's one sync
         result = StepResult()
         for r, row in zip(f_reqs, host):
             a = int(row[0])
@@ -152,18 +205,19 @@ class ModelRunner:
         record_emitted(f_reqs, result.token_ids, self.slots)
         return result
 
-    def _to_host(self, reqs: list[CachedRequest], accepted: torch.Tensor, tokens: torch.Tensor,
-                 raw: torch.Tensor) -> list[list[float]]:
+    def _to_host(self, reqs: list[CachedRequest], packed: torch.Tensor, raw: torch.Tensor) -> list[list[float]]:
         """One device-to-host copy per step: per request [a, tokens (K+1), then logprobs if asked].
 
-        Logprobs are of the raw model distribution, for every window position: chosen [K+1], then
-        top-n ids and values [(K+1) * n]. Everything travels as float64, exact for token ids.
+        packed [R, 1 + (K+1)]: accepted count, then tokens. Logprobs are of the raw model distribution,
+        for every window position: chosen [K+1], then top-n ids and values [(K+1) * n]. Everything
+        travels as float64, exact for token ids.
         """
-        parts = [accepted[:, None].double(), tokens.double()]
+        if not any(r.params.logprobs is not None for r in reqs):
+            return packed.tolist()
+        parts = [packed.double()]
         top_n = max((r.params.logprobs or 0 for r in reqs), default=0)
-        if any(r.params.logprobs is not None for r in reqs):
-            lp, ids, vals = logprobs_topn(raw, tokens.reshape(-1), top_n)
-            parts += [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)]
+        lp, ids, vals = logprobs_topn(raw, packed[:, 1:].reshape(-1), top_n)
+        parts += [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)]
         return torch.cat(parts, dim=1).tolist()
 
     def _penalised(self, raw: torch.Tensor, st, slots: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:

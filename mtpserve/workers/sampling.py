@@ -55,6 +55,7 @@ class SamplingTensors:
     use_top_p: bool
     use_min_p: bool
     all_greedy: bool
+    top_k_cap: int | None = None  # host-side bound on every row's top_k (avoids reading it from the device)
 
     def take(self, rows: torch.Tensor) -> "SamplingTensors":
         """The settings of the given rows (a row may repeat, e.g. once per window position)."""
@@ -77,7 +78,10 @@ def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Penalised logits [B, V] -> the request's sampling distribution [B, V] (temperature, top-k, top-p, min-p)."""
     logits = logits / st.temperature[:, None]
     if st.use_top_k:
-        kth = logits.topk(int(st.top_k.max()), dim=-1).values.gather(1, (st.top_k - 1).clamp(min=0)[:, None])
+        cap = st.top_k_cap if st.top_k_cap is not None else int(st.top_k.max())
+        kth = logits.topk(min(cap, logits.shape[-1]), dim=-1).values
+        kth = kth.gather(1, (st.top_k.clamp(max=kth.shape[-1]) - 1).clamp(min=0)[:, None])
+        kth = kth.masked_fill((st.top_k > kth.shape[-1])[:, None], float("-inf"))  # rows with top-k off
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     if st.use_top_p:
@@ -108,3 +112,9 @@ def logprobs_topn(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[t
     logp = logits.float().log_softmax(-1)
     top = logp.topk(n, dim=-1) if n > 0 else (logp[:, :0], logp[:, :0].long())
     return logp.gather(1, chosen[:, None]).squeeze(1), top[1], top[0]
+
+
+def top_k_cap(top_ks: list[int], vocab: int) -> int:
+    """A power of two >= every active top_k (0 when none is set): few distinct values, so few graphs."""
+    active = [k for k in top_ks if 0 < k < vocab]
+    return min(1 << (max(active) - 1).bit_length(), vocab) if active else 0

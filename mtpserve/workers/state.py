@@ -15,7 +15,9 @@ import torch
 from mtpserve.cluster.types import NewRequest, StepPlan
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from mtpserve.workers.device import to_device
-from mtpserve.workers.sampling import SamplingTensors
+from mtpserve.workers.sampling import SamplingTensors, top_k_cap
+from mtpserve.workers.slot_state import (FREQUENCY, GREEDY, MIN_P, NUM_SPEC, PRESENCE, REPETITION, SEED, TEMPERATURE,
+                                         TOP_K, TOP_P, StateDiffs)
 
 
 @dataclass
@@ -44,11 +46,12 @@ class SlotBuffers:
 
     def __init__(self, num_slots: int, num_modules: int, hidden: int, vocab: int, top_m: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        k, self.vocab, self.device = MAX_SPECULATIVE_TOKENS, vocab, device
-        self.draft_tokens = torch.zeros(num_slots, k, dtype=torch.long, device=device)
-        self.q_ids = torch.zeros(num_slots, k, top_m, dtype=torch.long, device=device)
-        self.q_probs = torch.zeros(num_slots, k, top_m, dtype=torch.float32, device=device)
-        self.carry = torch.zeros(num_slots, max(num_modules, 1), hidden, dtype=dtype, device=device)
+        # One more row than slots: padded rows of a uniform step point at it (DeviceState.pad_slot).
+        k, self.vocab, self.device, rows = MAX_SPECULATIVE_TOKENS, vocab, device, num_slots + 1
+        self.draft_tokens = torch.zeros(rows, k, dtype=torch.long, device=device)
+        self.q_ids = torch.zeros(rows, k, top_m, dtype=torch.long, device=device)
+        self.q_probs = torch.zeros(rows, k, top_m, dtype=torch.float32, device=device)
+        self.carry = torch.zeros(rows, max(num_modules, 1), hidden, dtype=dtype, device=device)
         self._counts: torch.Tensor | None = None  # [slots, V] output-token counts, made on first use
         self._prompt_mask: torch.Tensor | None = None  # [slots, V]
         self._free = list(range(num_slots - 1, -1, -1))
@@ -73,6 +76,11 @@ class SlotBuffers:
             idx = to_device(np.array(slots) * self.vocab + np.array(tokens), torch.long, self.device)
             self._counts.view(-1).index_add_(0, idx, torch.ones(len(tokens), device=self.device))
 
+    def add_counts(self, slots: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor) -> None:
+        """Device-side form of count_tokens: tokens [B, n] of slots [B], each counted with its weight [B, n]."""
+        idx = (slots[:, None] * self.vocab + tokens).reshape(-1)
+        self._counts.view(-1).index_add_(0, idx, weights.reshape(-1))
+
     def _init_penalty_state(self, slot: int, req: NewRequest) -> None:
         if self._counts is None:
             num_slots = self.draft_tokens.shape[0]
@@ -85,17 +93,41 @@ class SlotBuffers:
         self._counts[slot] = torch.bincount(output, minlength=self.vocab).float()
 
 
-def apply_plan(requests: dict[str, CachedRequest], slots: SlotBuffers, plan: StepPlan, num_modules: int) -> None:
-    """Drop freed requests, admit new ones, extend block tables: every worker applies each plan the same way."""
+def apply_plan(requests: dict[str, CachedRequest], slots: SlotBuffers, plan: StepPlan, num_modules: int,
+               diffs: StateDiffs | None = None) -> None:
+    """Drop freed requests, admit new ones, extend block tables: every worker applies each plan the same way.
+
+    With `diffs`, the same changes are recorded for the device-resident state (block tables of the
+    groups this worker holds, and the new requests' settings).
+    """
     for req_id in plan.freed_ids:
         req = requests.pop(req_id, None)
         if req is not None:
             slots.release(req.slot)
     for new in plan.new_requests:
-        requests[new.request_id] = CachedRequest.from_new(new, slots.acquire(new), num_modules)
+        req = requests[new.request_id] = CachedRequest.from_new(new, slots.acquire(new), num_modules)
+        if diffs is not None:
+            record_admission(diffs, req, slots.vocab)
     for req_id, new_blocks in zip(plan.req_ids, plan.new_block_ids):
-        for table, blocks in zip(requests[req_id].block_ids, new_blocks):
+        req = requests[req_id]
+        for group, (table, blocks) in enumerate(zip(req.block_ids, new_blocks)):
+            if diffs is not None and blocks and group < diffs.num_groups:
+                diffs.table(group, req.slot, blocks, len(table))
             table.extend(blocks)
+
+
+def record_admission(diffs: StateDiffs, req: CachedRequest, vocab: int) -> None:
+    """A new request's block tables, tokens and sampling settings, for the device-resident state."""
+    p, slot = req.params, req.slot
+    for group, table in enumerate(req.block_ids[: diffs.num_groups]):
+        diffs.table(group, slot, table, 0)
+    diffs.tokens(slot, req.token_ids)
+    for row, value in ((NUM_SPEC, req.num_spec), (TOP_K, p.top_k if 0 < p.top_k < vocab else vocab), (SEED, req.seed)):
+        diffs.int_field(row, slot, value)
+    for row, value in ((TEMPERATURE, p.temperature if p.temperature > 0 else 1.0), (TOP_P, p.top_p), (MIN_P, p.min_p),
+                       (REPETITION, p.repetition_penalty), (PRESENCE, p.presence_penalty),
+                       (FREQUENCY, p.frequency_penalty), (GREEDY, float(p.greedy))):
+        diffs.float_field(row, slot, value)
 
 
 def record_emitted(reqs: list[CachedRequest], emitted: list[list[int]], slots: SlotBuffers) -> None:
@@ -152,4 +184,6 @@ def sampling_tensors(reqs: list[CachedRequest], vocab: int, device: torch.device
         use_top_p=any(p.top_p < 1.0 for p in ps),
         use_min_p=any(p.min_p > 0.0 for p in ps),
         all_greedy=all(p.greedy for p in ps),
+        top_k_cap=top_k_cap([p.top_k for p in ps], vocab),
     )
+

@@ -1,0 +1,174 @@
+"""Per-slot batch state resident on the device, and the diffs that keep it current (docs/design.md §8).
+
+The uniform step (mtpserve/workers/uniform_step.py) reads everything it needs from here through the
+batch's slot indices: how many tokens each request has verified, its newest token (input to the next
+target step), its block table and block capacity in every KV group, and its sampling settings. The
+step itself advances `seq_len` and `last_token` on the device, so a run of uniform steps needs nothing
+from the host but the slot list and the number of drafts to verify.
+
+The host changes this state only through `StateDiffs`: admissions, appended blocks and the tokens a
+general (eager, host-planned) step produced. They travel, with the step's slot list, in one int64
+buffer: one pinned host-to-device copy per step.
+
+Slot `pad_slot` (the last) belongs to no request: padded batch rows point at it. Its block capacity
+is 0, so nothing it computes is ever written to a KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mtpserve.sampling_params import SamplingParams
+from mtpserve.workers.attention import AttentionMetadata
+from mtpserve.workers.device import to_device
+from mtpserve.workers.sampling import SamplingTensors, top_k_cap
+
+# Rows of `DeviceState.ints`.
+SEQ_LEN, LAST_TOKEN, NUM_SPEC, TOP_K, SEED = range(5)
+# Rows of `DeviceState.floats`.
+TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY, GREEDY = range(7)
+PAD_SEQ_LEN = 16  # padded rows sit at small valid positions (their KV writes are dropped anyway)
+
+
+class DeviceState:
+    """[slots + 1] tensors (the last slot is padding) on the worker's device."""
+
+    def __init__(self, num_slots: int, num_groups: int, max_blocks: int, block_size: int, vocab: int,
+                 device: torch.device) -> None:
+        n = num_slots + 1
+        self.pad_slot, self.max_blocks, self.block_size, self.vocab = num_slots, max_blocks, block_size, vocab
+        self.ints = torch.zeros(5, n, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(7, n, dtype=torch.float32, device=device)
+        self.tables = torch.zeros(num_groups, n, max_blocks, dtype=torch.int32, device=device)
+        self.capacity = torch.zeros(num_groups, n, dtype=torch.int64, device=device)  # positions owned
+        self.ints[SEQ_LEN, self.pad_slot] = PAD_SEQ_LEN
+        self.floats[TEMPERATURE] = 1.0
+        self.device = device
+
+    @property
+    def seq_len(self) -> torch.Tensor:
+        return self.ints[SEQ_LEN]
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        return self.ints[LAST_TOKEN]
+
+    @property
+    def num_spec(self) -> torch.Tensor:
+        return self.ints[NUM_SPEC]
+
+    def reset_pad(self) -> None:
+        """Padded rows advanced the pad slot last step: put it back (inside the captured step)."""
+        self.ints[SEQ_LEN, self.pad_slot] = PAD_SEQ_LEN
+
+    def sampling(self, slots: torch.Tensor, flags: "SamplingFlags") -> SamplingTensors:
+        """The batch rows' sampling settings, gathered on the device; the flags come from the host."""
+        f, i = self.floats[:, slots], self.ints[:, slots]
+        return SamplingTensors(
+            temperature=f[TEMPERATURE], top_k=i[TOP_K], top_p=f[TOP_P], min_p=f[MIN_P], repetition=f[REPETITION],
+            presence=f[PRESENCE], frequency=f[FREQUENCY], greedy=f[GREEDY] > 0, seed=i[SEED],
+            use_penalties=flags.penalties, use_top_k=flags.top_k_cap > 0, use_top_p=flags.top_p,
+            use_min_p=flags.min_p, all_greedy=flags.all_greedy, top_k_cap=flags.top_k_cap or None,
+        )
+
+    def apply(self, packed: torch.Tensor, counts: tuple[int, int, int, int]) -> None:
+        """Scatter a packed diff (see StateDiffs.pack) into the state; counts are the section sizes."""
+        n_tab, n_cap, n_int, n_float = counts
+        tab_idx, tab_val, cap_idx, cap_val, int_idx, int_val, f_idx, f_val = packed.split(
+            [n_tab, n_tab, n_cap, n_cap, n_int, n_int, n_float, n_float])
+        if n_tab:
+            self.tables.view(-1)[tab_idx] = tab_val.to(torch.int32)
+        if n_cap:
+            self.capacity.view(-1)[cap_idx] = cap_val
+        if n_int:
+            self.ints.view(-1)[int_idx] = int_val
+        if n_float:
+            self.floats.view(-1)[f_idx] = f_val.view(torch.float64).float()
+
+
+def group_metadata(state: DeviceState, group: int, slots: torch.Tensor, pos: torch.Tensor,
+                   write: torch.Tensor) -> AttentionMetadata:
+    """Attention metadata of one KV group for rows at positions pos [B, q] (contiguous per request).
+
+    A row writes its KV only where `write` [B, q] holds and its position lies inside the blocks the
+    request owns in that group; every other row gets slot -1, which the store skips.
+    """
+    batch, q = pos.shape
+    bs = state.block_size
+    tables = state.tables[group, slots]  # [B, MB]
+    blocks = tables.gather(1, (pos // bs).clamp(max=state.max_blocks - 1)).long()
+    owned = write & (pos < state.capacity[group, slots][:, None])
+    slot_mapping = torch.where(owned, blocks * bs + pos % bs, -1).reshape(-1)
+    seq_lens = (pos[:, -1] + 1).to(torch.int32)
+    qsl = torch.arange(0, (batch + 1) * q, q, dtype=torch.int32, device=pos.device)
+    # max_seq_len only sizes the CPU reference's gather; the Triton kernel reads seq_lens on the device.
+    max_seq_len = int(seq_lens.max()) if not pos.is_cuda else state.max_blocks * bs
+    return AttentionMetadata(qsl, seq_lens, tables, slot_mapping, q, max_seq_len)
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """Which parts of the sampling transform a batch needs (host-side, part of a graph's key)."""
+
+    all_greedy: bool = True
+    penalties: bool = False
+    top_k_cap: int = 0  # 0: no top-k; else a power of two >= every row's top_k
+    top_p: bool = False
+    min_p: bool = False
+
+
+@dataclass
+class StateDiffs:
+    """Host-side changes to DeviceState since the last step, as (flat index, value) pairs."""
+
+    num_slots: int
+    num_groups: int
+    max_blocks: int
+    block_size: int
+    tab: list[tuple[int, int]] = field(default_factory=list)
+    cap: list[tuple[int, int]] = field(default_factory=list)
+    ints: list[tuple[int, int]] = field(default_factory=list)
+    floats: list[tuple[int, float]] = field(default_factory=list)
+
+    def table(self, group: int, slot: int, blocks: list[int], first_col: int) -> None:
+        """Blocks appended to a slot's table in one group (first_col = how many it had)."""
+        base = (group * (self.num_slots + 1) + slot) * self.max_blocks + first_col
+        self.tab += [(base + c, b) for c, b in enumerate(blocks)]
+        self.cap.append((group * (self.num_slots + 1) + slot, (first_col + len(blocks)) * self.block_size))
+
+    def int_field(self, row: int, slot: int, value: int) -> None:
+        self.ints.append((row * (self.num_slots + 1) + slot, value))
+
+    def float_field(self, row: int, slot: int, value: float) -> None:
+        self.floats.append((row * (self.num_slots + 1) + slot, value))
+
+    def tokens(self, slot: int, token_ids: list[int]) -> None:
+        """A request's verified tokens as a general step left them."""
+        self.int_field(SEQ_LEN, slot, len(token_ids))
+        self.int_field(LAST_TOKEN, slot, token_ids[-1])
+
+    def pack(self, head: np.ndarray, device: torch.device) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+        """-> (device buffer: `head` then the diff sections, section sizes); clears the diffs."""
+        parts = [head.astype(np.int64)]
+        for pairs in (self.tab, self.cap, self.ints):
+            arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+            parts += [arr[:, 0], arr[:, 1]]
+        fl = np.array(self.floats, dtype=np.float64).reshape(-1, 2)
+        parts += [fl[:, 0].astype(np.int64), fl[:, 1].view(np.int64)]
+        counts = (len(self.tab), len(self.cap), len(self.ints), len(self.floats))
+        self.tab, self.cap, self.ints, self.floats = [], [], [], []
+        return to_device(np.concatenate(parts), torch.int64, device), counts
+
+
+def sampling_flags(params: list[SamplingParams], vocab: int) -> SamplingFlags:
+    """The batch's SamplingFlags, from the requests' settings on the host."""
+    return SamplingFlags(
+        all_greedy=all(p.greedy for p in params),
+        penalties=any(p.uses_penalties for p in params),
+        top_k_cap=top_k_cap([p.top_k for p in params], vocab),
+        top_p=any(p.top_p < 1.0 for p in params),
+        min_p=any(p.min_p > 0.0 for p in params),
+    )

@@ -1,0 +1,83 @@
+"""Runs uniform steps: one pinned host-to-device copy in, CUDA-graph replay (eager off CUDA), one result.
+
+Per step the host sends one int64 buffer: the batch's slots and drafts to verify (padded to the
+bucket with the pad slot and 0 drafts), followed by the state diffs since the last step. The diffs are
+scattered into DeviceState, the slots and drafts are copied into the static inputs of the graph of
+(bucket, StepShape), and the graph replays the whole step (mtpserve/workers/uniform_step.py).
+
+Graphs are captured lazily on first use, after warm-up runs, all in one memory pool. During warm-up
+and capture every row is a pad row, so nothing but the pad slot's own state changes. A replay's
+outputs live in the pool until the next replay: the runner reads them within the step.
+
+Off CUDA the same step runs eagerly at the batch's own size (padding only costs time there; tests
+force it through `pad_to_buckets` to check that padded rows change nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mtpserve.workers.cuda_graphs import WARMUP_RUNS, batch_buckets
+from mtpserve.workers.slot_state import DeviceState, StateDiffs
+from mtpserve.workers.uniform_step import StepShape, UniformStep
+
+
+@dataclass
+class _Graph:
+    slots: torch.Tensor  # [B] static input
+    num_drafts: torch.Tensor  # [B] static input
+    graph: torch.cuda.CUDAGraph
+    out: tuple[torch.Tensor, torch.Tensor]
+
+
+class UniformGraphs:
+    def __init__(self, step: UniformStep, state: DeviceState, max_num_seqs: int, device: torch.device,
+                 use_graphs: bool, pad_to_buckets: bool | None = None) -> None:
+        self.step, self.state, self.device = step, state, device
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.pad = self.use_graphs if pad_to_buckets is None else pad_to_buckets
+        self.buckets = batch_buckets(max_num_seqs)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs: dict[tuple[int, StepShape], _Graph] = {}
+        self.replays = 0
+
+    @torch.inference_mode()
+    def run(self, slots: np.ndarray, num_drafts: np.ndarray, shape: StepShape, diffs: StateDiffs
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (packed [R, 1 + w], raw logits [R * w, V]) for the R real requests (valid until the next step)."""
+        r = len(slots)
+        batch = next(b for b in self.buckets if b >= r) if self.pad else r
+        head = np.empty(2 * batch, dtype=np.int64)
+        head[:batch], head[batch:] = self.state.pad_slot, 0
+        head[:r], head[batch : batch + r] = slots, num_drafts
+        packed, counts = diffs.pack(head, self.device)  # the step's one host-to-device copy
+        self.state.apply(packed[2 * batch :], counts)
+        if not self.use_graphs:
+            out, raw = self.step(packed[:batch], packed[batch : 2 * batch], shape)
+        else:
+            g = self.graphs.get((batch, shape)) or self._capture(batch, shape)
+            g.slots.copy_(packed[:batch])
+            g.num_drafts.copy_(packed[batch : 2 * batch])
+            g.graph.replay()
+            out, raw = g.out
+            self.replays += 1
+        return out[:r], raw[: r * shape.window]
+
+    def _capture(self, batch: int, shape: StepShape) -> _Graph:
+        slots = torch.full((batch,), self.state.pad_slot, dtype=torch.int64, device=self.device)
+        num_drafts = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):  # Triton compiles, cuBLAS picks kernels, the allocator settles
+                self.step(slots, num_drafts, shape)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (a server's event loop) must not abort the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self.step(slots, num_drafts, shape)
+        g = self.graphs[(batch, shape)] = _Graph(slots, num_drafts, graph, out)
+        return g

@@ -1,0 +1,105 @@
+"""The uniform speculative step at fixed shapes, resident on the device (docs/design.md §8).
+
+A step is uniform when every scheduled request sits at its frontier: it feeds its newest verified
+token plus its drafts to the target and samples. Then the whole step (target window, verification,
+the MTP chain, draft sampling, state updates) is a function of the slot list and the number of drafts
+to verify, with shapes fixed by (batch, window, chain length): no host lists, no host reads, one CUDA
+graph per shape (mtpserve/workers/uniform_graphs.py). Every request gets `window` target rows; rows
+past its own drafts compute garbage that is never verified and never written to a pool it does not
+own (its block capacity bounds every KV write).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtpserve.workers.kv_cache import KVPools
+from mtpserve.workers.models.loader import LoadedModel
+from mtpserve.workers.rejection import verify
+from mtpserve.workers.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, apply_penalties, to_probs, uniforms
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, group_metadata
+from mtpserve.workers.state import SlotBuffers
+from mtpserve.workers.uniform_chain import UniformChain
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What fixes a uniform step's kernels: part of its graph's key together with the batch bucket."""
+
+    window: int  # target rows per request: 1 + the most drafts any request verifies
+    chain: int  # drafts to produce: the largest num_spec in the batch (0: no chain)
+    flags: SamplingFlags
+
+
+class UniformStep:
+    def __init__(self, model: LoadedModel, kv: KVPools, buffers: SlotBuffers, state: DeviceState,
+                 chain_mode: str, top_m: int, num_modules: int) -> None:
+        self.target, self.buffers, self.state, self.kv = model.target, buffers, state, kv
+        self.chain = UniformChain(model.mtp, model.target.embed_tokens, model.target.lm_head, kv.mtp, buffers,
+                                  state, chain_mode, top_m, num_modules) if num_modules else None
+        self.hidden_pre_norm = model.config.mtp.hidden_pre_norm
+
+    def __call__(self, slots: torch.Tensor, num_drafts: torch.Tensor, shape: StepShape
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots, num_drafts [B] -> (packed [B, 1 + window]: accepted count then tokens; raw logits [B*w, V])."""
+        st, w = self.state, shape.window
+        st.reset_pad()
+        seq_len = st.seq_len[slots]  # [B] verified tokens before this step
+        offsets = torch.arange(w, device=slots.device)
+        pos = (seq_len - 1)[:, None] + offsets  # [B, w]
+        ids = torch.cat((st.last_token[slots][:, None], self.buffers.draft_tokens[slots, : w - 1]), dim=1)
+        meta = group_metadata(st, 0, slots, pos, offsets[None, :] <= num_drafts[:, None])
+        hidden = self.target(ids.reshape(-1), pos.reshape(-1), meta, self.kv.target)  # [B*w, H]
+        raw = self.target.logits(hidden)  # [B*w, V] fp32
+        samp = st.sampling(slots, shape.flags)
+        tokens, accepted = self._verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
+        self._commit(slots, seq_len, accepted, tokens, shape.flags)
+        if self.chain is not None and shape.chain > 0:
+            rows = hidden if self.hidden_pre_norm else self.target.norm(hidden)
+            self.chain(slots, seq_len, accepted, tokens, rows.view(len(slots), w, -1), shape, samp)
+        return torch.cat((accepted[:, None], tokens), dim=1), raw
+
+    def _verify(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor, drafts: torch.Tensor,
+                num_drafts: torch.Tensor, seq_len: torch.Tensor, flags: SamplingFlags
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (tokens [B, w]: accepted drafts, then the emitted token at index a; accepted a [B])."""
+        batch, k = drafts.shape
+        argmax = raw.argmax(-1).view(batch, k + 1)
+        if flags.all_greedy and not flags.penalties:  # exact and cheap: no distributions at all
+            accept = (drafts == argmax[:, :k]) & (torch.arange(k, device=raw.device) < num_drafts[:, None])
+            accepted = accept.long().cumprod(dim=1).sum(dim=1)
+            tokens = torch.cat((drafts, drafts.new_zeros(batch, 1)), dim=1)
+            rows = torch.arange(batch, device=raw.device)
+            tokens[rows, accepted] = argmax[rows, accepted]
+            return tokens, accepted
+        rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
+        logits = self._penalised(raw, samp, slots, drafts) if flags.penalties else raw
+        probs = to_probs(logits, samp.take(rows)).view(batch, k + 1, -1)
+        seed, frontier = samp.seed[:, None], seq_len[:, None]
+        b = self.buffers
+        return verify(probs, argmax, drafts, b.q_ids[slots, :k], b.q_probs[slots, :k], num_drafts, samp.greedy,
+                      uniforms(seed, frontier + torch.arange(k, device=raw.device), STREAM_ACCEPT),
+                      uniforms(seed, frontier + torch.arange(k + 1, device=raw.device), STREAM_SAMPLE))
+
+    def _penalised(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor,
+                   drafts: torch.Tensor) -> torch.Tensor:
+        """Penalties at window position j see the drafts before j, as they would see accepted tokens."""
+        batch, k = drafts.shape
+        counts, prompt_mask = self.buffers.penalty_state(slots)  # [B, V]
+        drafted = torch.zeros(batch, k + 1, counts.shape[-1], device=raw.device)
+        drafted[:, 1:].scatter_add_(2, drafts[..., None], torch.ones_like(drafts[..., None], dtype=torch.float))
+        window = (counts[:, None] + drafted.cumsum(dim=1)).view(-1, counts.shape[-1])
+        rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
+        return apply_penalties(raw, window, prompt_mask[rows], samp.take(rows))
+
+    def _commit(self, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+                flags: SamplingFlags) -> None:
+        """Advance the verified state on the device; sampler state moves on accepted tokens only."""
+        st, rows = self.state, torch.arange(len(slots), device=slots.device)
+        st.seq_len[slots] = seq_len + accepted + 1
+        st.last_token[slots] = tokens[rows, accepted]
+        if flags.penalties:
+            kept = (torch.arange(tokens.shape[1], device=slots.device)[None, :] <= accepted[:, None]).float()
+            self.buffers.add_counts(slots, tokens, kept)
