@@ -78,10 +78,9 @@ def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Penalised logits [B, V] -> the request's sampling distribution [B, V] (temperature, top-k, top-p, min-p)."""
     logits = logits / st.temperature[:, None]
     if st.use_top_k:
-        cap = st.top_k_cap if st.top_k_cap is not None else int(st.top_k.max())
-        kth = logits.topk(min(cap, logits.shape[-1]), dim=-1).values
-        kth = kth.gather(1, (st.top_k.clamp(max=kth.shape[-1]) - 1).clamp(min=0)[:, None])
-        kth = kth.masked_fill((st.top_k > kth.shape[-1])[:, None], float("-inf"))  # rows with top-k off
+        cap = min(st.top_k_cap if st.top_k_cap is not None else int(st.top_k.max()), logits.shape[-1])
+        kth = logits.topk(cap, dim=-1).values.gather(1, (st.top_k.clamp(max=cap) - 1).clamp(min=0)[:, None])
+        kth = kth.masked_fill((st.top_k > cap)[:, None], float("-inf"))  # rows with top-k off keep everything
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     if st.use_top_p:

@@ -152,15 +152,19 @@ class StateDiffs:
 
     def pack(self, head: np.ndarray, device: torch.device) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
         """-> (device buffer: `head` then the diff sections, section sizes); clears the diffs."""
-        parts = [head.astype(np.int64)]
-        for pairs in (self.tab, self.cap, self.ints):
-            arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-            parts += [arr[:, 0], arr[:, 1]]
-        fl = np.array(self.floats, dtype=np.float64).reshape(-1, 2)
-        parts += [fl[:, 0].astype(np.int64), fl[:, 1].view(np.int64)]
-        counts = (len(self.tab), len(self.cap), len(self.ints), len(self.floats))
+        parts, counts = [head.astype(np.int64)], []
+        for pairs, dtype in ((self.tab, np.int64), (self.cap, np.int64), (self.ints, np.int64), (self.floats, np.float64)):
+            idx, val = _last_writes(np.array(pairs, dtype=dtype).reshape(-1, 2))
+            parts += [idx.astype(np.int64), val.view(np.int64) if dtype == np.float64 else val]
+            counts.append(len(idx))
         self.tab, self.cap, self.ints, self.floats = [], [], [], []
-        return to_device(np.concatenate(parts), torch.int64, device), counts
+        return to_device(np.concatenate(parts), torch.int64, device), tuple(counts)
+
+
+def _last_writes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index, value) pairs -> the last value written to each index (a scatter's order is not defined)."""
+    idx, last = np.unique(pairs[::-1, 0], return_index=True)
+    return idx, np.ascontiguousarray(pairs[::-1, 1][last])
 
 
 def sampling_flags(params: list[SamplingParams], vocab: int) -> SamplingFlags:
