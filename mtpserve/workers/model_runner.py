@@ -76,8 +76,6 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         max_len = config.max_model_len or cfg.max_position
         graphs = config.cuda_graphs and device.type == "cuda"
-        self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
-                                   device) if graphs and remote is not None else None
         self.diffs: StateDiffs | None = None
         self.uniform: UniformGraphs | None = None
         if remote is None and config.uniform_steps:
@@ -86,6 +84,9 @@ class ModelRunner:
             self.diffs = StateDiffs(config.max_num_seqs, groups, max_blocks, config.block_size)
             step = UniformStep(model, self.kv, self.slots, state, config.chain_mode, config.draft_top_m, local_modules)
             self.uniform = UniformGraphs(step, state, config.max_num_seqs, device, graphs, config.pad_uniform_steps)
+        # Without uniform steps (a drafter group holds the chain), graphs cover the target forward only.
+        self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
+                                   device) if graphs and self.uniform is None else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

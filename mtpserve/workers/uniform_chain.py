@@ -102,13 +102,15 @@ class _DraftSampler:
     def __call__(self, j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits [B, V] -> (draft [B], top-M ids [B, M], top-M probs [B, M])."""
         m = self.chain.top_m
-        if self.flags.all_greedy and self.extra is None:
-            argmax = logits.argmax(-1)
-            return argmax, argmax[:, None].expand(-1, m), torch.zeros(len(argmax), m, device=logits.device)
         st = self.samp
         if self.extra is not None:
             counts, prompt_mask = self.chain.buffers.penalty_state(self.slots)
             logits = apply_penalties(logits, counts + self.extra, prompt_mask, st)
+        if self.flags.all_greedy:  # greedy verification never reads the proposals
+            argmax = logits.argmax(-1)
+            if self.extra is not None:
+                self.extra[torch.arange(len(argmax), device=argmax.device), argmax] += 1.0
+            return argmax, argmax[:, None].expand(-1, m), torch.zeros(len(argmax), m, device=logits.device)
         ids, probs = top_m(to_probs(logits, st), m)
         u = uniforms(st.seed, self.frontier + j, STREAM_DRAFT)
         sampled = ids.gather(1, sample(probs, u)[:, None]).squeeze(1)

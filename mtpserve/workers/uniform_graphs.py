@@ -42,13 +42,14 @@ class UniformGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple[int, StepShape], _Graph] = {}
-        self.replays = 0
+        self.runs = self.replays = 0  # uniform steps run, and of those replayed from graphs
 
     @torch.inference_mode()
     def run(self, slots: np.ndarray, num_drafts: np.ndarray, shape: StepShape, diffs: StateDiffs
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (packed [R, 1 + w], raw logits [R * w, V]) for the R real requests (valid until the next step)."""
         r = len(slots)
+        self.runs += 1
         batch = next(b for b in self.buckets if b >= r) if self.pad else r
         head = np.empty(2 * batch, dtype=np.int64)
         head[:batch], head[batch:] = self.state.pad_slot, 0

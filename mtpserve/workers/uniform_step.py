@@ -66,8 +66,9 @@ class UniformStep:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (tokens [B, w]: accepted drafts, then the emitted token at index a; accepted a [B])."""
         batch, k = drafts.shape
-        argmax = raw.argmax(-1).view(batch, k + 1)
-        if flags.all_greedy and not flags.penalties:  # exact and cheap: no distributions at all
+        logits = self._penalised(raw, samp, slots, drafts) if flags.penalties else raw
+        argmax = logits.argmax(-1).view(batch, k + 1)
+        if flags.all_greedy:  # exact and cheap: no distributions at all
             accept = (drafts == argmax[:, :k]) & (torch.arange(k, device=raw.device) < num_drafts[:, None])
             accepted = accept.long().cumprod(dim=1).sum(dim=1)
             tokens = torch.cat((drafts, drafts.new_zeros(batch, 1)), dim=1)
@@ -75,7 +76,6 @@ class UniformStep:
             tokens[rows, accepted] = argmax[rows, accepted]
             return tokens, accepted
         rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
-        logits = self._penalised(raw, samp, slots, drafts) if flags.penalties else raw
         probs = to_probs(logits, samp.take(rows)).view(batch, k + 1, -1)
         seed, frontier = samp.seed[:, None], seq_len[:, None]
         b = self.buffers

@@ -1,4 +1,5 @@
-"""The padded static-buffer path of mtpserve/workers/cuda_graphs.py against the eager target forward.
+"""The padded static-buffer path of mtpserve/workers/cuda_graphs.py (target-only graphs of the general
+path, which replicas with a drafter group use) against the eager target forward.
 
 On CPU, "capture" records the eager callable and "replay" runs it on the padded static buffers, so the
 hidden states must match the eager path bit for bit. One thing outside mtpserve breaks bit equality
@@ -95,8 +96,10 @@ class Recorder:
 
 
 def _engine(ckpt: Path, device: str, graphs: bool, k: int) -> tuple[LLM, Recorder]:
+    # The general path's target graphs (used by replicas with a drafter group); uniform steps have their
+    # own graphs of the whole step, tested in test_uniform_step.py.
     llm = LLM(str(ckpt), device=device, dtype="float32", num_speculative_tokens=k, block_size=4,
-              max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, cuda_graphs=graphs)
+              max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, cuda_graphs=graphs, uniform_steps=False)
     runner: ModelRunner = llm.engine.executor.runner
     if graphs and device == "cpu":  # the switch applies to CUDA only: install the CPU stand-in by hand
         cfg = runner.config
