@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     ignore_eos=True, num_speculative_tokens=k, seed=args.seed + i))
                     for i, p in enumerate(prompts[:n])]
 
-        for k in ks:  # warm-up, not measured: Triton compilation, allocator growth
-            w = min(8, max(concurrency))
-            drive(jobs(k, w, 8), w, f"warm{k}")
+        for k in ks:  # warm-up, not measured: Triton compilation, allocator growth, each shape's graph capture
+            for c in concurrency:
+                drive(jobs(k, c, 8), c, f"warm{k}c{c}")
 
         table = Table(f"spec matrix: {name}, {args.max_tokens} tokens per request, "
                       f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}",

@@ -12,7 +12,9 @@ verifies a window of 1 + k tokens per request (num_tokens 1, num_drafts k), and 
 Weights are random, so drafts are rejected and each step emits one token per request; the work a
 step does (target over B*(k+1) rows, k drafter passes) does not depend on acceptance.
 
-Columns: step (median, CUDA events), target/draft (the runner's own phase split), the floor =
+Columns: step (median, CUDA events); lean = the same-run plain-PyTorch reference (benchmarks/lean_step.py:
+a dense-KV SDPA verify step of k + 1 tokens plus k one-module + LM-head draft steps, each one CUDA
+graph, over the same weights) and step/lean, the ratio the project is held to; the floor =
 (bytes a step must read) / (bandwidth measured here by a large device-to-device copy), and
 step/floor. Bytes read: every target weight but the embedding table (rows are gathered), plus per
 draft j the MTP module's weights and the shared LM head again (each draft is its own head matmul),
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from common import Table, check, gb  # noqa: E402
+from lean_step import LeanStep  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -163,6 +166,17 @@ def floor_bytes(model: LoadedModel, batch: int, k: int, context: int, dtype_size
     return weights, kv
 
 
+def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bool, device: torch.device,
+            args: argparse.Namespace) -> float:
+    """Median time of the lean reference step (freed again afterwards: its dense KV is large)."""
+    lean = LeanStep(model, batch, context, window, draft)
+    ms = common.median(common.time_ms(lean.runner(), device, args.warmup, args.iters))
+    del lean
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ms
+
+
 def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top: int) -> Table:
     from torch.profiler import ProfilerActivity, profile
 
@@ -218,29 +232,29 @@ def main(argv: list[str] | None = None) -> int:
             driver.verify_step(k)
 
     table = Table(f"verify step, context {args.context}, bandwidth {bw / 1e12:.2f} TB/s (copy)",
-                  ["batch", "k", "window", "step ms", "target ms", "draft ms", "vs k=0", "weights GB", "KV GB",
+                  ["batch", "k", "window", "step ms", "lean ms", "step/lean", "vs k=0", "weights GB", "KV GB",
                    "floor ms", "step/floor", "tok/s @AL=k+1"])
+    lean_table = Table("same-run lean reference (plain PyTorch, dense KV, SDPA, one CUDA graph each)",
+                       ["batch", "verify w=1 ms", "verify w=k+1 ms (k=max)", "draft step ms"])
     for batch in batches:
         base = None
+        lean_draft = lean_ms(model, batch, args.context, 1, True, device, args)
+        lean_verify = {k: lean_ms(model, batch, args.context, k + 1, False, device, args) for k in ks}
+        lean_table.add(str(batch), lean_verify[min(ks)], lean_verify[max(ks)], lean_draft)
         for k in ks:
             driver.prefill(batch, k, args.context, args.prefill_tokens)
-            phases: list[tuple[float, float]] = []
-
-            def step() -> None:
-                driver.verify_step(k)
-                phases.append((driver.last.target_seconds, driver.last.draft_seconds))
-
-            times = common.time_ms(step, device, args.warmup, args.iters)
+            times = common.time_ms(lambda: driver.verify_step(k), device, args.warmup, args.iters)
             ms = common.median(times)
             base = ms if k == 0 else base
-            tgt, drf = (common.median([p[i] * 1e3 for p in phases[args.warmup:]]) for i in (0, 1))
+            lean = lean_verify[k] + k * lean_draft
             w, kv = floor_bytes(model, batch, k, args.context, dsize)
             floor_ms = (w + kv) / bw * 1e3
-            table.add(str(batch), str(k), str(k + 1), ms, tgt, drf, ms / base if base else None,
+            table.add(str(batch), str(k), str(k + 1), ms, lean, ms / lean, ms / base if base else None,
                       gb(w), gb(kv), floor_ms, ms / floor_ms, f"{batch * (k + 1) / ms * 1e3:.0f}")
-            print(f"batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), floor {floor_ms:.2f} ms")
+            print(f"batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
+                  f"floor {floor_ms:.2f} ms")
 
-    tables = [table]
+    tables = [table, lean_table]
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
         for _ in range(args.warmup):
@@ -251,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
              f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
              f"{len(model.mtp)} MTP modules; {dtype}; random weights",
              f"measured copy bandwidth {bw / 1e12:.3f} TB/s ((read + write) / time, {args.bandwidth_gb:g} GB copy)",
-             f"step = median of {args.iters} after {args.warmup} warm-up; target/draft = the runner's phase timers; "
-             "tok/s @AL=k+1 is the ceiling if every draft were accepted",
+             f"step = median of {args.iters} after {args.warmup} warm-up; lean = lean verify (k+1 tokens) + k lean "
+             "draft steps, timed in this run; tok/s @AL=k+1 is the ceiling if every draft were accepted",
              "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth"]
     common.report(args, "step_benchmark", device, tables, notes)
     return 0
