@@ -62,7 +62,7 @@ class DeviceState:
 
     def reset_pad(self) -> None:
         """Padded rows advanced the pad slot last step: put it back (inside the captured step)."""
-        self.ints[SEQ_LEN, self.pad_slot] = PAD_SEQ_LEN
+        self.ints[SEQ_LEN, self.pad_slot :].fill_(PAD_SEQ_LEN)  # a kernel, not a copy from a host scalar
 
     def sampling(self, slots: torch.Tensor, flags: "SamplingFlags") -> SamplingTensors:
         """The batch rows' sampling settings, gathered on the device; the flags come from the host."""
