@@ -169,7 +169,9 @@ class Drafter:
 
     def _recursive_pass(self, m: int, offset: int, j: int, reqs: list[CachedRequest], chain: "_Chain") -> None:
         idx = [i for i in chain.drafting if reqs[i].num_spec > j]
-        starts = np.array([len(reqs[i].token_ids) - 2 + offset for i in idx])
+        if not idx:  # nobody in this step drafts this far (e.g. only prefill chunks that do not finish)
+            return
+        starts = np.array([len(reqs[i].token_ids) - 2 + offset for i in idx], dtype=np.int64)
         tables = [reqs[i].block_ids[1 + m] for i in idx]
         positions, meta = build_metadata(starts, np.ones(len(idx), dtype=np.int64), tables, self.block_size, self.device)
         f = chain.rows_of(idx)

@@ -94,9 +94,17 @@ class ModelRunner:
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return StepResult()
-        shape = self._uniform_shape(reqs, plan)
-        if shape is not None:
-            return self._run_uniform(reqs, plan, shape)
+        fast = self._at_frontier(reqs, plan)
+        if all(fast):
+            return self._run_uniform(reqs, plan)
+        if not any(fast):
+            return self._run_general(reqs, plan)
+        # Prefill chunks joined: the requests at their frontier still take the uniform step, and only
+        # the others the general path (two target passes, but decode never waits on host planning).
+        return _merged(self._run_uniform(*_subset(reqs, plan, fast, True)),
+                       self._run_general(*_subset(reqs, plan, fast, False)))
+
+    def _run_general(self, reqs: list[CachedRequest], plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         lay = StepLayout.of(reqs, plan)
         hidden = self._run_target(reqs, lay)
@@ -116,19 +124,19 @@ class ModelRunner:
                 self.diffs.tokens(self.requests[req_id].slot, self.requests[req_id].token_ids)
         return result
 
-    def _uniform_shape(self, reqs: list[CachedRequest], plan: StepPlan) -> StepShape | None:
-        """The shape of a uniform step, or None when the step takes the general path."""
+    def _at_frontier(self, reqs: list[CachedRequest], plan: StepPlan) -> list[bool]:
+        """Which requests a uniform step can take: one verified token to feed, the rest drafts, and past
+        the first `modules` positions (module m's rows start at N - m - 1)."""
+        if self.uniform is None:
+            return [False] * len(reqs)
         modules = self.config.num_mtp_modules
-        if self.uniform is None or any(n != 1 for n in plan.num_tokens):
-            return None
-        # At the frontier, and past the first `modules` positions (module m's rows start at N - m - 1).
-        if any(r.num_computed != len(r.token_ids) - 1 or len(r.token_ids) <= modules for r in reqs):
-            return None
-        chain = max(r.num_spec for r in reqs) if modules else 0
-        return StepShape(1 + max(plan.num_drafts), chain, sampling_flags([r.params for r in reqs], self.vocab))
+        return [n == 1 and r.num_computed == len(r.token_ids) - 1 and len(r.token_ids) > modules
+                for r, n in zip(reqs, plan.num_tokens)]
 
-    def _run_uniform(self, reqs: list[CachedRequest], plan: StepPlan, shape: StepShape) -> StepResult:
+    def _run_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        chain = max(r.num_spec for r in reqs) if self.config.num_mtp_modules else 0
+        shape = StepShape(1 + max(plan.num_drafts), chain, sampling_flags([r.params for r in reqs], self.vocab))
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         packed, raw = self.uniform.run(slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
         host = self._to_host(reqs, packed, raw)  # the step's one sync
@@ -245,3 +253,17 @@ def _logprob_dicts(row: list[float], accepted: int, k: int, n: int | None) -> li
     ids, vals = row[1 + 2 * window : 1 + 2 * window + window * top_n], row[1 + 2 * window + window * top_n :]
     return [{**{int(i): v for i, v in zip(ids[j * top_n : j * top_n + n], vals[j * top_n : j * top_n + n])},
              int(chosen[j]): lp[j]} for j in range(accepted + 1)]
+
+
+def _subset(reqs: list[CachedRequest], plan: StepPlan, mask: list[bool], keep: bool
+            ) -> tuple[list[CachedRequest], StepPlan]:
+    """The requests (and their part of the plan) whose mask entry equals keep."""
+    idx = [i for i, m in enumerate(mask) if m == keep]
+    return [reqs[i] for i in idx], StepPlan(req_ids=[plan.req_ids[i] for i in idx],
+                                            num_tokens=[plan.num_tokens[i] for i in idx],
+                                            num_drafts=[plan.num_drafts[i] for i in idx])
+
+
+def _merged(a: StepResult, b: StepResult) -> StepResult:
+    return StepResult(a.req_ids + b.req_ids, a.token_ids + b.token_ids, a.num_accepted + b.num_accepted,
+                      a.logprobs + b.logprobs, a.target_seconds + b.target_seconds, a.draft_seconds + b.draft_seconds)

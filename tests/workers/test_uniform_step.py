@@ -120,7 +120,7 @@ def test_graphs_equal_eager_on_cuda(partly_trained: Path, k: int, name: str) -> 
     params = _params(SETTINGS[name], [k] * 5)
     eager, _ = _run(partly_trained, params, uniform=True, device="cuda")
     graphed, runner = _run(partly_trained, params, uniform=True, device="cuda", graphs=True)
-    assert runner.uniform.replays > 10
+    assert runner.uniform.replays > 3
     _same(eager, graphed)
 
 
