@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from mtpserve.cluster.block_manager import KVBlockManager
 from mtpserve.cluster.engine_config import EngineConfig, ResolvedConfig
@@ -30,6 +31,23 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class AsyncExecutor(Executor, Protocol):
+    """An executor that can launch a step and hand its result over later (the in-process one)."""
+
+    def submit(self, plan: StepPlan) -> Any: ...  # a handle; handle.overlappable: a decode step in flight
+
+    def wait(self, handle: Any) -> StepResult: ...
+
+
+@dataclass
+class _Step:
+    """A launched step: its plan, the stats gathered while scheduling, and its result or handle."""
+
+    plan: StepPlan
+    stats: StepStats
+    handle: Any  # a StepResult when it already ran, else the executor's handle
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.resolved = ResolvedConfig.resolve(config)
@@ -47,6 +65,9 @@ class LLMEngine:
         self.last_stats = StepStats()
         self._aborted: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
+        self._async = r.async_scheduling and hasattr(self.executor, "submit")
+        self._in_flight: _Step | None = None
+        self.num_overlapped_steps = 0  # steps launched before the previous one's results were read
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -78,23 +99,48 @@ class LLMEngine:
             self._aborted.append(self.outputs.finish(req))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch a step and return the outputs of the last one that finished.
+
+        With async scheduling the next decode step is launched before the host reads the results of
+        the one in flight, so the device never waits for the host's postprocessing and scheduling.
+        """
+        if self._in_flight is None:
+            self._in_flight = self._launch(self.scheduler.schedule)
+        following = self._launch_overlapped()
+        done, self._in_flight = self._in_flight, following
+        result = done.handle if isinstance(done.handle, StepResult) else self.executor.wait(done.handle)
+        return self._postprocess(done.plan, result, done.stats)
+
+    def _launch(self, schedule) -> _Step:
         t0, preemptions = time.perf_counter(), self.scheduler.num_preemptions
-        plan = self.scheduler.schedule()
+        plan = schedule()
         stats = StepStats(schedule_seconds=time.perf_counter() - t0, num_prompt_tokens=self._prompt_tokens(plan),
                           num_preemptions=self.scheduler.num_preemptions - preemptions)
-        result = self.executor.execute(plan) if plan.req_ids or plan.freed_ids else StepResult()
-        return self._postprocess(plan, result, stats)
+        if not (plan.req_ids or plan.freed_ids):
+            return _Step(plan, stats, StepResult())
+        return _Step(plan, stats, self.executor.submit(plan) if self._async else self.executor.execute(plan))
+
+    def _launch_overlapped(self) -> _Step | None:
+        """The next decode step, launched before the one in flight is read (None: run synchronously)."""
+        current = self._in_flight
+        if not self._async or not getattr(current.handle, "overlappable", False):
+            return None
+        step = self._launch(lambda: self.scheduler.schedule_overlapped(current.plan) or StepPlan())
+        if not step.plan.req_ids:
+            return None
+        self.num_overlapped_steps += 1
+        return step
 
     def _postprocess(self, plan: StepPlan, result: StepResult, stats: StepStats) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         step_spec = SpecCounters()
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
         logprobs = dict(zip(result.req_ids, result.logprobs or [None] * len(result.req_ids)))
-        for (req, tokens), accepted in zip(self.scheduler.update(plan, result), result.num_accepted):
+        for req, tokens, accepted in self.scheduler.update(plan, result):
             step_spec.record(drafts[req.request_id], accepted)
             out = self.outputs.process(req, tokens, logprobs[req.request_id])
             if req.finish_reason:

@@ -38,6 +38,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True  # replay whole uniform steps (or, with a drafter group, the target) as CUDA graphs
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
+    async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA, in-process
     # Ray deployment (tensor_parallel_size > 1, drafter_devices > 0 or use_ray):
     ray_address: str | None = None  # None: ray.init()'s default (RAY_ADDRESS, else a local instance)
     placement_timeout_s: float = 60.0  # waiting for the placement groups
@@ -72,6 +73,7 @@ class ResolvedConfig:
     max_model_len: int
     num_blocks: int
     eos_token_ids: tuple[int, ...]
+    async_scheduling: bool
 
     @staticmethod
     def resolve(config: EngineConfig) -> "ResolvedConfig":
@@ -92,6 +94,7 @@ class ResolvedConfig:
         return ResolvedConfig(
             config, path, cfg, device, dtype, modules, default_spec, max_len,
             _num_blocks(config, cfg, path, modules, max_len, dtype, device), _eos_ids(path, cfg),
+            config.async_scheduling if config.async_scheduling is not None else device.type == "cuda",
         )
 
     def make_executor(self):

@@ -83,14 +83,45 @@ class Scheduler:
             budget -= n + d
         return plan
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
-        """Advance the scheduled requests; returns (request, newly kept tokens) for those that sampled."""
+    def schedule_overlapped(self, in_flight: StepPlan) -> StepPlan | None:
+        """The next decode step, planned while `in_flight` still runs (async scheduling, docs/design.md §8).
+
+        Only when that step was a decode step of every running request and nothing else waits: each
+        request then verifies its new drafts, which are already on the device. Its accepted count is not
+        known yet, so blocks are allocated for the worst case (every draft in flight accepted), and a
+        request that might finish in flight sits this step out. None: the engine drains first.
+        """
+        if self.waiting or self._freed or len(in_flight.req_ids) != len(self.running):
+            return None
+        drafts_in_flight = dict(zip(in_flight.req_ids, in_flight.num_drafts))
+        plan, budget = StepPlan(), self.config.max_num_batched_tokens
+        for req in self.running:
+            ahead = drafts_in_flight.get(req.request_id, -1) + 1  # tokens the step in flight may emit
+            left = req.tokens_left - ahead
+            if ahead == 0 or len(req.token_ids) - req.num_computed != 1:
+                return None  # not decoding in that step
+            if left < 1 or budget < 1:
+                continue
+            d = max(0, min(req.num_drafts, budget - 1, left - 1))
+            new_blocks = self.blocks.allocate(req.request_id, self._slots(req, 1 + ahead, d, final=True))
+            if new_blocks is None:
+                return None  # the synchronous path may preempt
+            self._add_to_plan(plan, req, 1, d, new_blocks)
+            budget -= 1 + d
+        return plan if plan.req_ids else None
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], int]]:
+        """Advance the scheduled requests; returns (request, newly kept tokens, accepted drafts) for those
+        that sampled. Requests that finished or were aborted since the plan was made are skipped."""
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
-            self.requests[req_id].num_computed += n
+            if req_id in self.requests:
+                self.requests[req_id].num_computed += n
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
         advanced = []
         for req_id, tokens, accepted in zip(result.req_ids, result.token_ids, result.num_accepted):
-            req = self.requests[req_id]
+            req = self.requests.get(req_id)
+            if req is None or req.status != Status.RUNNING:
+                continue  # a stop found one step late: what was computed after it is dropped
             kept = req.append_verified(tokens)
             # The last token is sampled but not yet fed to the target: it is input to the next step.
             req.num_computed = len(req.token_ids) - 1
@@ -99,7 +130,7 @@ class Scheduler:
                 req.accepted_per_step.append(accepted)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            advanced.append((req, tokens[:kept]))
+            advanced.append((req, tokens[:kept], accepted))
             if req.finish_reason:
                 self.finish(req, req.finish_reason)
         return advanced
@@ -113,10 +144,10 @@ class Scheduler:
         # Drafts past what the request may still emit would only be thrown away.
         return n, max(0, min(req.num_drafts, budget - n, req.tokens_left - 1))
 
-    def _slots(self, req: Request, n: int, d: int) -> list[int]:
+    def _slots(self, req: Request, n: int, d: int, final: bool | None = None) -> list[int]:
         """Positions each KV group must cover this step (docs/design.md §5)."""
         end = req.num_computed + n + d
-        final = req.num_computed + n == len(req.token_ids)
+        final = req.num_computed + n == len(req.token_ids) if final is None else final
         extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)
         # A final step also drafts: module m then writes up to `extra` positions past the target's end.
         return [end] + [(end + (e if final else 0)) if e >= 0 else 0 for e in extras]

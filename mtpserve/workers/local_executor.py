@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mtpserve.cluster.types import StepPlan, StepResult
-from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
+from mtpserve.workers.model_runner import ModelRunner, PendingStep, RunnerConfig
 from mtpserve.workers.models.loader import load_model
 
 if TYPE_CHECKING:
@@ -27,6 +27,12 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    def submit(self, plan: StepPlan) -> PendingStep | StepResult:
+        return self.runner.submit(plan)
+
+    def wait(self, handle: PendingStep | StepResult) -> StepResult:
+        return self.runner.wait(handle)
 
     def shutdown(self) -> None:
         pass

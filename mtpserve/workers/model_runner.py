@@ -90,19 +90,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.wait(self.submit(plan))
+
+    @torch.inference_mode()
+    def submit(self, plan: StepPlan) -> "PendingStep | StepResult":
+        """Launch a step: a uniform step returns at once with its result on the way to pinned host memory
+        (the engine may plan and launch the next one meanwhile); any other step runs to its end here."""
         apply_plan(self.requests, self.slots, plan, self.config.num_mtp_modules, self.diffs)
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return StepResult()
         fast = self._at_frontier(reqs, plan)
         if all(fast):
-            return self._run_uniform(reqs, plan)
+            return self._launch_uniform(reqs, plan)
         if not any(fast):
             return self._run_general(reqs, plan)
         # Prefill chunks joined: the requests at their frontier still take the uniform step, and only
         # the others the general path (two target passes, but decode never waits on host planning).
-        return _merged(self._run_uniform(*_subset(reqs, plan, fast, True)),
+        return _merged(self.wait(self._launch_uniform(*_subset(reqs, plan, fast, True))),
                        self._run_general(*_subset(reqs, plan, fast, False)))
+
+    def wait(self, handle: "PendingStep | StepResult") -> StepResult:
+        return self._finish_uniform(handle) if isinstance(handle, PendingStep) else handle
 
     def _run_general(self, reqs: list[CachedRequest], plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -133,24 +142,30 @@ class ModelRunner:
         return [n == 1 and r.num_computed == len(r.token_ids) - 1 and len(r.token_ids) > modules
                 for r, n in zip(reqs, plan.num_tokens)]
 
-    def _run_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> StepResult:
+    def _launch_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> "PendingStep":
         t0 = time.perf_counter()
         chain = max(r.num_spec for r in reqs) if self.config.num_mtp_modules else 0
         shape = StepShape(1 + max(plan.num_drafts), chain, sampling_flags([r.params for r in reqs], self.vocab))
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         packed, raw = self.uniform.run(slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
-        host = self._to_host(reqs, packed, raw)  # the step's one sync
-        result, modules, k = StepResult(), self.config.num_mtp_modules, shape.window - 1
-        for r, row in zip(reqs, host):
+        host, done = self._stage(reqs, packed, raw)
+        return PendingStep(reqs, shape.window - 1, host, done, t0)
+
+    def _finish_uniform(self, p: "PendingStep") -> StepResult:
+        """Read a uniform step's result (the step's one wait for the device) and advance the host state."""
+        if p.done is not None:
+            p.done.synchronize()
+        result, modules = StepResult(), self.config.num_mtp_modules
+        for r, row in zip(p.reqs, p.host.tolist()):
             a = int(row[0])
             tokens = [int(t) for t in row[1 : a + 2]]
             result.req_ids.append(r.req_id), result.num_accepted.append(a), result.token_ids.append(tokens)
-            result.logprobs.append(_logprob_dicts(row, a, k, r.params.logprobs))
+            result.logprobs.append(_logprob_dicts(row, a, p.k, r.params.logprobs))
             r.token_ids += tokens
             n = r.num_computed = len(r.token_ids) - 1
             for m in range(min(r.num_spec, modules)):  # the modules the chain ran for this request
                 r.mtp_computed[m] = max(0, n - m)
-        result.target_seconds = time.perf_counter() - t0  # one graph: no phase split
+        result.target_seconds = time.perf_counter() - p.started  # one graph: no phase split
         return result
 
     @torch.inference_mode()
@@ -215,19 +230,31 @@ class ModelRunner:
         return result
 
     def _to_host(self, reqs: list[CachedRequest], packed: torch.Tensor, raw: torch.Tensor) -> list[list[float]]:
-        """One device-to-host copy per step: per request [a, tokens (K+1), then logprobs if asked].
+        host, done = self._stage(reqs, packed, raw)
+        if done is not None:
+            done.synchronize()
+        return host.tolist()
+
+    def _stage(self, reqs: list[CachedRequest], packed: torch.Tensor, raw: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The step's one device-to-host copy, started: per request [a, tokens (K+1), logprobs if asked].
 
         packed [R, 1 + (K+1)]: accepted count, then tokens. Logprobs are of the raw model distribution,
-        for every window position: chosen [K+1], then top-n ids and values [(K+1) * n]. Everything
-        travels as float64, exact for token ids.
+        for every window position: chosen [K+1], then top-n ids and values [(K+1) * n]; with them
+        everything travels as float64, exact for token ids. On CUDA the copy lands in pinned memory
+        and the returned event marks its end; the device buffers may then be reused at once.
         """
-        if not any(r.params.logprobs is not None for r in reqs):
-            return packed.tolist()
-        parts = [packed.double()]
-        top_n = max((r.params.logprobs or 0 for r in reqs), default=0)
-        lp, ids, vals = logprobs_topn(raw, packed[:, 1:].reshape(-1), top_n)
-        parts += [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)]
-        return torch.cat(parts, dim=1).tolist()
+        if any(r.params.logprobs is not None for r in reqs):
+            top_n = max((r.params.logprobs or 0 for r in reqs), default=0)
+            lp, ids, vals = logprobs_topn(raw, packed[:, 1:].reshape(-1), top_n)
+            packed = torch.cat([packed.double()] + [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)], 1)
+        if packed.device.type != "cuda":
+            return packed, None
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def _penalised(self, raw: torch.Tensor, st, slots: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
         """Penalties at window position j see the drafts before j, as they would see accepted tokens."""
@@ -267,3 +294,15 @@ def _subset(reqs: list[CachedRequest], plan: StepPlan, mask: list[bool], keep: b
 def _merged(a: StepResult, b: StepResult) -> StepResult:
     return StepResult(a.req_ids + b.req_ids, a.token_ids + b.token_ids, a.num_accepted + b.num_accepted,
                       a.logprobs + b.logprobs, a.target_seconds + b.target_seconds, a.draft_seconds + b.draft_seconds)
+
+
+@dataclass
+class PendingStep:
+    """A launched uniform step whose result is on its way to the host."""
+
+    reqs: list[CachedRequest]
+    k: int  # window - 1
+    host: torch.Tensor  # the packed result (pinned on CUDA)
+    done: torch.cuda.Event | None  # recorded after the copy (None off CUDA: already there)
+    started: float
+    overlappable: bool = True  # a decode step: the engine may launch the next one before reading this

@@ -1,0 +1,81 @@
+"""Async scheduling (docs/design.md §8): the engine launches decode step n+1 before it reads step n.
+
+The host learns of a stop (EOS, stop id, stop string, max_tokens) one step late; the tokens computed
+after it are dropped. Outputs must equal the synchronous engine's exactly, and every block must be
+free at the end, also when requests are aborted while a step is in flight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtpserve import LLM, SamplingParams
+from mtpserve.cluster.engine import LLMEngine
+from tests.checkpoints import make_hf_checkpoint
+from tests.conftest import prompts_of
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights, a word-level tokenizer ("w3" .. "w96"), eos token 2, 3 MTP modules."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("worded"), vocab_size=97, num_mtp=3, tokenizer=True, seed=4)
+
+
+def _params(i: int, stop_id: int | None = None, stop: str | None = None) -> SamplingParams:
+    sampled = dict(temperature=0.9, top_p=0.95, seed=i) if i % 2 else dict(temperature=0.0)
+    return SamplingParams(max_tokens=9 + 5 * i, ignore_eos=i % 3 != 0, stop_token_ids=[stop_id] if stop_id else [],
+                          stop=[stop] if stop else [], **sampled)
+
+
+def _generate(ckpt: Path, params: list[SamplingParams], overlap: bool, k: int, **engine_args) -> tuple[list, LLM]:
+    llm = LLM(str(ckpt), num_speculative_tokens=k, async_scheduling=overlap, **engine_args)
+    return llm.generate(prompts_of(97, [5, 8, 3, 12, 6, 9, 4][: len(params)], seed=2), params), llm
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 4])
+def test_async_outputs_equal_synchronous_outputs(worded: Path, k: int) -> None:
+    free, _ = _generate(worded, [_params(i) for i in range(7)], overlap=False, k=k)
+    # Stops that end requests early, at tokens the free run produced: ids and strings.
+    params = [_params(i, stop_id=free[i].token_ids[4] if i % 3 == 1 else None,
+                      stop=free[i].text.split()[3] if i % 3 == 2 and len(free[i].text.split()) > 3 else None)
+              for i in range(7)]
+    sync, _ = _generate(worded, params, overlap=False, k=k)
+    overlapped, llm = _generate(worded, params, overlap=True, k=k)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
+    assert [o.text for o in overlapped] == [o.text for o in sync]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in sync]
+    assert any(o.finish_reason == "stop" for o in sync) and any(o.finish_reason == "length" for o in sync)
+    assert llm.engine.num_overlapped_steps > 10
+    assert llm.engine.blocks.all_free
+
+
+def test_async_with_preemption_and_tight_budget(worded: Path) -> None:
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in range(7)]
+    args = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=24)
+    sync, _ = _generate(worded, params, overlap=False, k=3, **args)
+    overlapped, llm = _generate(worded, params, overlap=True, k=3, **args)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.num_overlapped_steps > 0
+    assert llm.engine.blocks.all_free
+
+
+def test_abort_while_a_step_is_in_flight(worded: Path) -> None:
+    llm = LLM(str(worded), num_speculative_tokens=3, async_scheduling=True)
+    engine: LLMEngine = llm.engine
+    prompts = prompts_of(97, [5, 8, 6], seed=5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+        if steps == 6:
+            assert engine._in_flight is not None, "a step must be in flight when the abort comes"
+            engine.abort_request("1")
+    assert done["1"].finish_reason == "abort" and len(done["1"].token_ids) < 40
+    alone = LLM(str(worded), num_speculative_tokens=3).generate([prompts[0], prompts[2]], params)
+    assert [done["0"].token_ids, done["2"].token_ids] == [o.token_ids for o in alone]
+    assert engine.blocks.all_free
