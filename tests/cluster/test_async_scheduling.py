@@ -30,7 +30,8 @@ def _params(i: int, stop_id: int | None = None, stop: str | None = None) -> Samp
 
 
 def _generate(ckpt: Path, params: list[SamplingParams], overlap: bool, k: int, **engine_args) -> tuple[list, LLM]:
-    llm = LLM(str(ckpt), num_speculative_tokens=k, async_scheduling=overlap, **engine_args)
+    # float32: greedy ties must break the same way whatever the batch composition (bf16 on a GPU may not).
+    llm = LLM(str(ckpt), num_speculative_tokens=k, async_scheduling=overlap, dtype="float32", **engine_args)
     return llm.generate(prompts_of(97, [5, 8, 3, 12, 6, 9, 4][: len(params)], seed=2), params), llm
 
 
@@ -62,7 +63,7 @@ def test_async_with_preemption_and_tight_budget(worded: Path) -> None:
 
 
 def test_abort_while_a_step_is_in_flight(worded: Path) -> None:
-    llm = LLM(str(worded), num_speculative_tokens=3, async_scheduling=True)
+    llm = LLM(str(worded), num_speculative_tokens=3, async_scheduling=True, dtype="float32")
     engine: LLMEngine = llm.engine
     prompts = prompts_of(97, [5, 8, 6], seed=5)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -76,6 +77,6 @@ def test_abort_while_a_step_is_in_flight(worded: Path) -> None:
             assert engine._in_flight is not None, "a step must be in flight when the abort comes"
             engine.abort_request("1")
     assert done["1"].finish_reason == "abort" and len(done["1"].token_ids) < 40
-    alone = LLM(str(worded), num_speculative_tokens=3).generate([prompts[0], prompts[2]], params)
+    alone = LLM(str(worded), num_speculative_tokens=3, dtype="float32").generate([prompts[0], prompts[2]], params)
     assert [done["0"].token_ids, done["2"].token_ids] == [o.token_ids for o in alone]
     assert engine.blocks.all_free

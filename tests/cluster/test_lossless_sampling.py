@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.workers import model_runner
+from mtpserve.workers import model_runner, uniform_step
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.stats import ALPHA, chi_square_pvalue, samples_for_power
 
@@ -101,7 +101,8 @@ def _biased_verify(p, target_argmax, draft_ids, q_ids, q_probs, num_drafts, gree
 
 def test_the_check_rejects_a_biased_verifier(small_vocab_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(model_runner.__dict__, "_true_verify", model_runner.verify)
-    monkeypatch.setattr(model_runner, "verify", _biased_verify)
+    monkeypatch.setattr(model_runner, "verify", _biased_verify)  # the general path's verifier
+    monkeypatch.setattr(uniform_step, "verify", _biased_verify)  # the uniform step's
     s = SETTINGS["temperature"]
     counts, _ = _sampled_joint(small_vocab_ckpt, s, seed=1)
     assert chi_square_pvalue(counts, _exact_joint(small_vocab_ckpt, s)) < ALPHA
