@@ -4,8 +4,9 @@
     python benchmarks/host_profile.py --k 0 --concurrency 1       # GPU if any
     python benchmarks/host_profile.py --device cpu --k 3 --concurrency 16
 
-Requests of --max-tokens tokens (eos ignored) are added --concurrency at a time and stepped to the end,
-once to warm up (graph capture, Triton compilation), then under the profiler. Prints ms per step and
+Requests of --max-tokens tokens (eos ignored) run in a closed loop (--concurrency in flight, a finished one
+replaced at once, --requests in all), once to warm up (graph capture, Triton compilation), then under the
+profiler. Prints ms per step and
 the functions with the most time of their own; on a GPU the time the host waits for the device shows
 as the result copy (`tolist`) inside the runner.
 """
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=0, help="requests in all (closed loop); default: concurrency")
+    p.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, num_speculative_tokens=args.k,
@@ -37,11 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
     def run(tag: str) -> int:
-        for i in range(args.concurrency):
-            engine.add_request(f"{tag}{i}", "def fibonacci(n):\n    ", params)
+        """A closed loop: `concurrency` requests in flight, a finished one replaced at once, --requests in all."""
+        total = max(args.requests, args.concurrency)
+        added = 0
+        for _ in range(args.concurrency):
+            engine.add_request(f"{tag}{added}", f"def f{added}(n):\n    ", params)
+            added += 1
         steps = 0
         while engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():
+                if out.finished and added < total:
+                    engine.add_request(f"{tag}{added}", f"def f{added}(n):\n    ", params)
+                    added += 1
             steps += 1
         return steps
 
@@ -52,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = run("timed")
     prof.disable()
     wall = time.perf_counter() - t0
-    print(f"k={args.k} concurrency={args.concurrency}: {steps} steps, {wall / steps * 1e3:.3f} ms/step "
-          f"(under the profiler), {args.concurrency * args.max_tokens / wall:.0f} tok/s")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    total = max(args.requests, args.concurrency)
+    print(f"k={args.k} concurrency={args.concurrency} requests={total}: {steps} steps, {wall / steps * 1e3:.3f} "
+          f"ms/step (under the profiler), {total * args.max_tokens / wall:.0f} tok/s")
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     return 0
 
 
