@@ -21,10 +21,10 @@ import numpy as np
 import ray
 import torch
 
-from mtpserve.cluster.channel import Listener
+from mtpserve.boundary.channel import Listener
 from mtpserve.cluster.engine_config import EngineConfig, ResolvedConfig
 from mtpserve.cluster.ray_executor import RayExecutor
-from mtpserve.cluster.types import StepPlan
+from mtpserve.boundary.messages import StepPlan
 from mtpserve.workers.models.train import build_models, tiny_config
 from mtpserve.workers.models.writer import save_checkpoint
 
@@ -53,7 +53,7 @@ def decode_plan(num_reqs: int = 64, drafts: int = 4) -> StepPlan:
 
 _ECHO = """
 import sys
-from mtpserve.cluster.channel import Channel
+from mtpserve.boundary.channel import Channel
 ch = Channel.connect(("127.0.0.1", int(sys.argv[1])), timeout=30, token=bytes.fromhex(sys.argv[2]))
 ch.send(("hello", 0))
 while True:

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from mtpserve.cluster.types import NewRequest, StepPlan  # noqa: E402
+from mtpserve.boundary.messages import NewRequest, StepPlan  # noqa: E402
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams  # noqa: E402
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from mtpserve.workers.models.config import ModelConfig  # noqa: E402

@@ -19,7 +19,7 @@ from mtpserve.cluster.request import Request
 from mtpserve.cluster.scheduler import Scheduler, SchedulerConfig
 from mtpserve.cluster.stats import SpecCounters, StepStats
 from mtpserve.cluster.tokenizer import Tokenizer
-from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.errors import InvalidRequestError
 from mtpserve.outputs import RequestOutput
 from mtpserve.sampling_params import SamplingParams

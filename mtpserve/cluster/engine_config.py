@@ -12,7 +12,9 @@ from mtpserve.errors import CheckpointError
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 from mtpserve.workers.chain import CHAIN_MODES
 from mtpserve.workers.kv_cache import bytes_per_block
+from mtpserve.workers.model_runner import RunnerConfig
 from mtpserve.workers.models.config import ModelConfig
+from mtpserve.workers.models.loader import ModelSource
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
@@ -104,7 +106,17 @@ class ResolvedConfig:
             return RayExecutor(self)
         from mtpserve.workers.local_executor import LocalExecutor
 
-        return LocalExecutor(self)
+        return LocalExecutor(self.model_source(), self.runner_config())
+
+    def model_source(self) -> ModelSource:
+        return ModelSource(self.model_path, self.dtype, self.device)
+
+    def runner_config(self) -> RunnerConfig:
+        c = self.config
+        # Graphs only without tensor parallelism: its all-reduces inside the forward are not captured.
+        return RunnerConfig(self.num_blocks, c.block_size, c.max_num_seqs, self.num_mtp_modules, c.mtp_chain,
+                            c.draft_top_m, cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1,
+                            max_model_len=self.max_model_len, uniform_steps=c.uniform_steps)
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

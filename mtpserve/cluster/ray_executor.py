@@ -1,7 +1,7 @@
 """Runs a replica's steps on Ray actors: `tensor_parallel_size` target ranks and `drafter_devices` drafters.
 
 Ray places, starts and monitors the workers and carries their addresses once; every step then goes
-out over persistent sockets (mtpserve/cluster/channel.py) and tensors move over torch.distributed
+out over persistent sockets (mtpserve/boundary/channel.py) and tensors move over torch.distributed
 (NCCL on CUDA, gloo on CPU). Start-up is bounded everywhere: placement, every worker's load and the
 channel handshake each have a deadline, and the first worker to fail ends the start with its cause.
 """
@@ -19,10 +19,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtpserve.cluster import placement
-from mtpserve.cluster.channel import Channel, ChannelClosed, Listener
-from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.boundary.channel import Channel, ChannelClosed, Listener
+from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.errors import DeploymentError
-from mtpserve.workers.local_executor import runner_config
 from mtpserve.workers.tensor_parallel import check_shardable
 from mtpserve.workers.worker import Worker, WorkerSpec
 
@@ -91,7 +90,8 @@ class RayExecutor:
         roles += [("drafter", self._groups[1], i) for i in range(self.drafters)]
         actor_cls = ray.remote(Worker)
         for rank, (role, group, bundle) in enumerate(roles):
-            spec = WorkerSpec(role, rank, self.tp, self.drafters, r, runner_config(r), r.config.startup_timeout_s)
+            spec = WorkerSpec(role, rank, self.tp, self.drafters, r.model_source(), r.runner_config(),
+                              r.config.startup_timeout_s)
             self._actors.append(actor_cls.options(
                 num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),

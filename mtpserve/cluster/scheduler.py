@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from mtpserve.cluster.block_manager import KVBlockManager
 from mtpserve.cluster.request import Request, Status
-from mtpserve.cluster.types import NewRequest, StepPlan, StepResult
+from mtpserve.boundary.messages import NewRequest, StepPlan, StepResult
 from mtpserve.workers.chain import extra_positions
 
 

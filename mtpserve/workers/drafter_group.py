@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.drafter import Drafter, TargetRows, _Chain

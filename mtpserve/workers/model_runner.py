@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
-from mtpserve.cluster.types import StepPlan, StepResult
+from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.batch import build_metadata
 from mtpserve.workers.cuda_graphs import TargetGraphs
 from mtpserve.workers.device import to_device

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mtpserve.cluster.types import NewRequest, StepPlan
+from mtpserve.boundary.messages import NewRequest, StepPlan
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from mtpserve.workers.device import to_device
 from mtpserve.workers.sampling import SamplingTensors, top_k_cap

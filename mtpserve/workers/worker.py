@@ -12,20 +12,17 @@ import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from mtpserve.cluster.channel import Channel, ChannelClosed
+from mtpserve.boundary.channel import Channel, ChannelClosed
 from mtpserve.errors import CheckpointError
 from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink, Topology
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
-from mtpserve.workers.models.loader import CheckpointLoader, load_model
+from mtpserve.workers.models.loader import CheckpointLoader, ModelSource, load_model
 from mtpserve.workers.tensor_parallel import TPGroup, shard_model
-
-if TYPE_CHECKING:
-    from mtpserve.cluster.engine_config import ResolvedConfig
 
 T = TypeVar("T")
 
@@ -39,7 +36,7 @@ class WorkerSpec:
     rank: int  # global rank in the replica's process group (targets first, then drafters)
     tp: int
     drafters: int  # G; 0 = the drafter runs inside the target ranks
-    resolved: "ResolvedConfig"
+    model: ModelSource
     runner: RunnerConfig
     timeout_s: float  # for the rendezvous and every collective
 
@@ -66,7 +63,7 @@ class Worker:
         """Join the group, load, connect to the driver; returns this worker's Ray node id."""
         import ray
 
-        spec, device = self.spec, _device(self.spec.resolved.device)
+        spec, device = self.spec, _device(self.spec.model.device)
         _maybe_fault(spec, "init")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=spec.rank, world_size=spec.tp + spec.drafters,
@@ -119,13 +116,13 @@ def _topology(spec: WorkerSpec) -> Topology:
 
 
 def _build_target(spec: WorkerSpec, device: torch.device, tp_group: dist.ProcessGroup) -> ModelRunner:
-    r, colocated = spec.resolved, spec.drafters == 0
+    r, colocated = spec.model, spec.drafters == 0
     if spec.tp == 1:
         keep = None if colocated else (lambda name: not name.startswith("mtp."))
-        model = _loading(spec, lambda: load_model(r.model_path, r.dtype, device, keep))
+        model = _loading(spec, lambda: load_model(r.path, r.dtype, device, keep))
     else:
         # One part at a time: load it on the host, shard it, move the shard to the device.
-        loader = _loading(spec, lambda: CheckpointLoader(r.model_path, r.dtype, device))
+        loader = _loading(spec, lambda: CheckpointLoader(r.path, r.dtype, device))
         model = loader.model
 
         def fetch(prefix: str) -> None:
@@ -144,16 +141,16 @@ def _loading(spec: WorkerSpec, load: Callable[[], T]) -> T:
     except CheckpointError:
         raise
     except Exception as e:  # e.g. a truncated safetensors file: the reader's own error type
-        raise CheckpointError(f"cannot load the checkpoint at {spec.resolved.model_path}: "
+        raise CheckpointError(f"cannot load the checkpoint at {spec.model.path}: "
                               f"{type(e).__name__}: {e}") from e
 
 
 def _build_drafter(spec: WorkerSpec, device: torch.device) -> DrafterRunner:
-    topo, r = _topology(spec), spec.resolved
+    topo, r = _topology(spec), spec.model
     mine = tuple(f"mtp.{m}." for m in range(topo.num_modules) if topo.owner(m) == spec.rank)
 
     def keep(name: str) -> bool:  # the shared embedding and head, and this rank's modules only
         return name.startswith(("embed_tokens.", "lm_head.") + mine)
 
-    model = _loading(spec, lambda: load_model(r.model_path, r.dtype, device, keep))
+    model = _loading(spec, lambda: load_model(r.path, r.dtype, device, keep))
     return DrafterRunner(model, spec.runner, topo, spec.rank, r.dtype, device)

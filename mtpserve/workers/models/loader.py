@@ -26,6 +26,15 @@ from mtpserve.workers.models.weight_names import WeightSpec, mtp_specs, target_s
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A checkpoint to load and how: the part of the engine's configuration a worker needs."""
+
+    path: Path
+    dtype: torch.dtype
+    device: torch.device  # its type; a Ray worker picks its own index
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
