@@ -145,6 +145,22 @@ def _paged_attention_kernel(
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.jit.JITFunction)
 
 
+def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The layout both paged-attention kernels need; raises ValueError naming what does not fit."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, head_dim_k = k_cache.shape[2], k_cache.shape[3]
+    if v_cache.shape != k_cache.shape or head_dim_k != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q {q.dtype} and the caches {k_cache.dtype} / {v_cache.dtype} must share a dtype")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a unit stride along head_dim")
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
@@ -165,19 +181,10 @@ def paged_attention(
     unused because the kernel reads seq_lens on the device. block_m / block_n override the tiles
     (powers of two >= 16) for tuning and tests. Nothing here syncs with the device.
     """
+    check_paged_inputs(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, head_dim_k = k_cache.shape
+    _, page, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
-    if v_cache.shape != k_cache.shape or head_dim_k != head_dim:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q {q.dtype} and the caches {k_cache.dtype} / {v_cache.dtype} must share a dtype")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a unit stride along head_dim")
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
 

@@ -38,8 +38,9 @@ def attend(
 ) -> torch.Tensor:
     """Write this step's K/V ([T, Hkv, D]) into the pool, then attend with q ([T, H, D]) -> [T, H, D]."""
     if q.is_cuda:
-        from mtpserve.kernels.paged_attention import paged_attention
         from mtpserve.kernels.store_kv import store_kv
+
+        paged_attention = _cuda_attention(q, kv, meta)
     else:
         paged_attention, store_kv = paged_attention_ref, store_kv_ref
     store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
@@ -47,3 +48,15 @@ def attend(
         q, kv.k, kv.v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.max_query_len, meta.max_seq_len, scale,
     )
+
+
+def _cuda_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata):
+    """Split-KV while (requests x KV heads) programs would leave SMs idle (decode, verify windows);
+    the one-pass kernel otherwise. Decided from host-side shapes only, so a graph keeps its choice."""
+    from mtpserve.kernels.paged_attention import paged_attention
+    from mtpserve.kernels.paged_attention_split import num_splits_for, paged_attention_split, sm_count
+
+    num_kv_heads = kv.k.shape[2]
+    splits = num_splits_for(meta.seq_lens.shape[0], num_kv_heads, meta.max_query_len, meta.max_seq_len,
+                            q.shape[1] // num_kv_heads, sm_count(q.device))
+    return paged_attention_split if splits > 1 else paged_attention

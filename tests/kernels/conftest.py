@@ -35,6 +35,7 @@ except Exception as exc:  # ImportError, or a broken install failing at import t
 class KernelBackend:
     device: torch.device
     paged_attention: Callable[..., torch.Tensor]
+    paged_attention_split: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
 
 
@@ -65,7 +66,9 @@ def kernels(request) -> KernelBackend:
     if reason is not None:
         pytest.skip(reason)
     from mtpserve.kernels.paged_attention import paged_attention
+    from mtpserve.kernels.paged_attention_split import paged_attention_split
     from mtpserve.kernels.store_kv import store_kv
 
     device = torch.device("cpu" if request.param == "interpret-cpu" else "cuda")
-    return KernelBackend(device=device, paged_attention=paged_attention, store_kv=store_kv)
+    return KernelBackend(device=device, paged_attention=paged_attention, paged_attention_split=paged_attention_split,
+                         store_kv=store_kv)
