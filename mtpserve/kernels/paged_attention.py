@@ -86,6 +86,40 @@ def _attend_tile(
 
 
 @triton.jit
+def _load_queries(q_ptr, q_begin, qi, head, row_ok, stride_qt, stride_qh,
+                  HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows m of the M tile: query qi[m] of the request (flat row q_begin + qi[m]), head head[m]."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_off = (q_begin + qi).to(tl.int64)
+    q = tl.load(q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, row_off
+
+
+@triton.jit
+def _attend_range(
+    acc, l_i, m_i, q, q_pos, lo, full_end, hi, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Tiles from lo to hi: those below full_end (every row sees them whole) without masks, the rest masked."""
+    for start in range(lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+            BLOCK_N, HEAD_DIM, PAGE, False, DOT_PRECISION, UPCAST)
+    for start in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+            BLOCK_N, HEAD_DIM, PAGE, True, DOT_PRECISION, UPCAST)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     num_reqs, qk_scale,
@@ -110,12 +144,8 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP_P
     row_ok = (qi < qlen) & (offs_m % GROUP_P < GROUP)
     q_pos = ctx + qi
+    q, row_off = _load_queries(q_ptr, q_begin, qi, head, row_ok, stride_qt, stride_qh, HEAD_DIM, UPCAST)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_off = (q_begin + qi).to(tl.int64)
-    q = tl.load(q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # [M, D]
-    if UPCAST:
-        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -125,16 +155,10 @@ def _paged_attention_kernel(
     # it need no mask. The last valid query's position bounds the diagonal tiles.
     full_end = (ctx + q_start + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx + tl.minimum(q_start + BLOCK_Q, qlen)
-    for start in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, PAGE, False, DOT_PRECISION, UPCAST)
-    for start in range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, PAGE, True, DOT_PRECISION, UPCAST)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q_pos, 0, full_end, kv_end, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+        BLOCK_N, HEAD_DIM, PAGE, DOT_PRECISION, UPCAST)
 
     out = acc / l_i[:, None]  # valid rows always see position 0, so l_i > 0 where it is stored
     tl.store(out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpserve.kernels.paged_attention import _LOG2E, _attend_tile, check_paged_inputs
+from mtpserve.kernels.paged_attention import _LOG2E, _attend_range, _load_queries, check_paged_inputs
 
 MAX_WINDOW = 16  # queries per request (1 + drafts) this kernel takes; longer ones go to paged_attention
 _MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in merging than it gains
@@ -50,12 +50,8 @@ def _split_kernel(
     head = kv_head * GROUP + offs_m % GROUP_P
     row_ok = (qi < qlen) & (offs_m % GROUP_P < GROUP)
     q_pos = ctx + qi
+    q, row_off = _load_queries(q_ptr, q_begin, qi, head, row_ok, stride_qt, stride_qh, HEAD_DIM, UPCAST)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_off = (q_begin + qi).to(tl.int64)
-    q = tl.load(q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # [M, D]
-    if UPCAST:
-        q = q.to(tl.float32)
 
     # This split's tiles: an equal share of the request's own tiles (empty past its length).
     tiles = tl.cdiv(kv_end, BLOCK_N)
@@ -69,16 +65,10 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_bt
-    for start in range(lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, PAGE, False, DOT_PRECISION, UPCAST)
-    for start in range(full_end, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-            BLOCK_N, HEAD_DIM, PAGE, True, DOT_PRECISION, UPCAST)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q_pos, lo, full_end, hi, kv_end, k_ptr, v_ptr, bt_row_ptr, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+        BLOCK_N, HEAD_DIM, PAGE, DOT_PRECISION, UPCAST)
 
     # Partials of an empty split keep m = -1e30 and l = 0: the merge gives them no weight.
     part = split.to(tl.int64)
