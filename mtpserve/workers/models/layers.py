@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.kernels.rmsnorm_ref import rms_norm_ref
+from mtpserve.kernels.silu_mul_ref import silu_mul_ref
 from mtpserve.workers.attention import AttentionMetadata, LayerKV, attend
 from mtpserve.workers.models.config import ModelConfig, RopeConfig
 
@@ -24,10 +25,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference implementations do, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32 as the reference implementations do, then cast back (one kernel on CUDA).
+        return _rms_norm(x)(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, fused on CUDA."""
+        normed, summed = _rms_norm(x)(delta, self.weight, self.eps, residual=x)
+        return summed, normed
+
+
+def _rms_norm(x: torch.Tensor):
+    if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3):
+        from mtpserve.kernels.rmsnorm import rms_norm
+
+        return rms_norm
+    return rms_norm_ref
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -107,8 +119,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from mtpserve.kernels.silu_mul import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        return self.down_proj(silu_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -120,5 +136,5 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), positions, meta, kv))
+        return x + self.mlp(h)
