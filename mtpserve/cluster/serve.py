@@ -170,6 +170,10 @@ class Replica:
         logger = PrometheusLogger(r.num_mtp_modules, r.config.mtp_chain)
         self.engine_loop = EngineLoop(self.engine, logger)
         self.engine_loop.start()
+        loop = asyncio.get_running_loop()
+        # Worker faults: NOT_SERVING while the replica recovers (or for good once it gave up).
+        self.engine_loop.on_health = lambda serving: asyncio.run_coroutine_threadsafe(
+            self._set_health(serving), loop)
         token = o.token()
         # so_reuseport off: a port already taken must fail loudly instead of being shared silently.
         self.grpc_server = grpc.aio.server(interceptors=[BearerAuthInterceptor(token)] if token else [],
@@ -196,6 +200,15 @@ class Replica:
                  "TLS" if o.tls_cert_file else "plaintext", ", bearer auth" if token else "",
                  f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off")
         return self
+
+    async def _set_health(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        from mtpserve.v1 import generation_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name):
+            await self.health.set(service, status)
 
     async def _watch_engine(self, services: list[str], period: float = 1.0) -> None:
         """Health turns NOT_SERVING if the engine thread ends, so load balancers and probes stop routing here."""
