@@ -154,6 +154,7 @@ class Replica:
         self.health: Any = None
         self.metrics_http: Any = None
         self.watchdog: asyncio.Task | None = None
+        self.servicer: Any = None
         self.port = 0
         self.metrics_port = -1
 
@@ -178,8 +179,8 @@ class Replica:
         # so_reuseport off: a port already taken must fail loudly instead of being shared silently.
         self.grpc_server = grpc.aio.server(interceptors=[BearerAuthInterceptor(token)] if token else [],
                                            options=[("grpc.so_reuseport", 0)])
-        servicer = GenerationServicer(self.engine_loop, model_info(self.engine, o.model_name),
-                                      r.config.max_num_seqs + o.max_queue_size)
+        self.servicer = servicer = GenerationServicer(self.engine_loop, model_info(self.engine, o.model_name),
+                                                      r.config.max_num_seqs + o.max_queue_size)
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)

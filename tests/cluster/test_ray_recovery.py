@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mtpserve import SamplingParams
 from mtpserve.cluster.client import Client, build_request
 from mtpserve.cluster.engine_config import EngineConfig
+from mtpserve.cluster.router import RETRY_METADATA_KEY
 from mtpserve.cluster.serve import ServerOptions, ServerThread, load_engine
 from mtpserve.v1 import generation_pb2_grpc as pb_grpc
 from mtpserve.workers.worker import FAULT_ENV
@@ -45,7 +46,8 @@ WAIT_S = 240  # bound on any one wait: a fault must never leave a stream hanging
 
 def start(ckpt: Path, **engine: Any) -> ServerThread:
     config = EngineConfig(model=str(ckpt), **{**ENGINE, **engine})
-    return ServerThread(load_engine(config), ServerOptions(host="127.0.0.1", port=0, metrics_port=-1))
+    # No queue beyond the running batch: max_num_seqs requests in flight fill it.
+    return ServerThread(load_engine(config), ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, max_queue_size=0))
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,10 @@ class HealthLog:
                     self._changed.notify_all()
         except grpc.RpcError:
             pass  # cancelled by close()
+
+    def went_down(self, timeout: float = WAIT_S) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: "NOT_SERVING" in self.statuses, timeout)
 
     def went_down_and_up(self, timeout: float = 30.0) -> bool:
         """NOT_SERVING was announced, and SERVING after it (waits for the announcement in flight)."""
@@ -171,6 +177,27 @@ def test_streams_survive_a_lost_worker(server: ServerThread, reference: list, he
     assert engine_idle(server) == (True, 0)
     with Client(f"127.0.0.1:{server.port}", timeout=WAIT_S) as c:  # and it serves new requests
         assert c.generate(PROMPTS[0], PARAMS[0]).token_ids == reference[0][0]
+
+
+def test_a_full_queue_while_recovering_is_unavailable_with_a_retry_hint(server: ServerThread, health: HealthLog) -> None:
+    """Requests that arrive during a recovery wait; once the queue is full they get UNAVAILABLE and a hint."""
+    hang(server, 0)()  # the next step hangs: the step timeout notices, recovery follows
+    full = ENGINE["max_num_seqs"]
+    with ThreadPoolExecutor(full) as pool, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        waiting = [pool.submit(lambda p=p: list(stub.Generate(build_request(p, {"max_tokens": 2, "temperature": 0}),
+                                                               timeout=WAIT_S)))
+                   for p in (PROMPTS * 3)[:full]]
+        assert health.went_down()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(build_request([5], {"max_tokens": 2}), timeout=WAIT_S))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "recovers" in err.value.details() and "retry" in err.value.details()
+        assert (RETRY_METADATA_KEY, "5000") in [(m.key, m.value) for m in err.value.trailing_metadata()]
+        for done in waiting:  # the requests that waited complete once the workers are back
+            assert done.result(WAIT_S)[-1].complete.finish_reason == "length"
+    assert health.went_down_and_up()
+    assert engine_idle(server) == (True, 0)
 
 
 def test_three_faults_exhaust_the_budget(partly_trained: Path, local_ray: None,
