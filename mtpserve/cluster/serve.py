@@ -276,8 +276,10 @@ class ServerThread:
         return self.replica.metrics_port
 
     def healthy(self) -> bool:
+        """False once the engine stopped or gave up after worker faults (not while it recovers: a
+        supervisor restarting the replica then would only lose the requests it is resuming)."""
         loop = self.replica.engine_loop
-        return self._thread.is_alive() and loop is not None and loop.is_alive()
+        return self._thread.is_alive() and loop is not None and loop.is_alive() and loop.failure is None
 
     def stop(self, grace: float = 0.0, timeout: float = 60.0) -> None:
         if self._thread.is_alive():

@@ -221,6 +221,7 @@ def test_three_faults_exhaust_the_budget(partly_trained: Path, local_ray: None,
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker faults" in err.value.details()
         with Client(f"127.0.0.1:{srv.port}", timeout=WAIT_S) as c:
             assert c.health() == "NOT_SERVING"
+        assert not srv.healthy()  # what Ray Serve's check_health asks: a supervisor may now replace it
         assert engine_idle(srv) == (True, 0)
     finally:
         srv.stop()
