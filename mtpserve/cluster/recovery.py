@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from mtpserve.errors import DeploymentError, ReplicaFailed
 
@@ -29,6 +29,14 @@ class RecoveryEvent:
     seconds: float  # from noticing the fault to the new workers being ready
     workers_restarted: int
     requests_resumed: int
+
+
+class Recoverable(Protocol):
+    """An executor that can replace its workers (RayExecutor)."""
+
+    num_workers: int
+
+    def recover(self) -> None: ...
 
 
 class FaultBudget:
@@ -47,7 +55,7 @@ class FaultBudget:
         return len(self._times) < self.max_faults
 
 
-def recover(executor, requeue: Callable[[], int], budget: FaultBudget, cause: str,
+def recover(executor: Recoverable, requeue: Callable[[], int], budget: FaultBudget, cause: str,
             on_serving: Callable[[bool], None] | None) -> RecoveryEvent:
     """Replace the executor's workers until it works or the budget is spent (then ReplicaFailed).
 
@@ -72,4 +80,4 @@ def recover(executor, requeue: Callable[[], int], budget: FaultBudget, cause: st
     log.warning("recovered in %.1f s", seconds)
     if on_serving is not None:
         on_serving(True)
-    return RecoveryEvent(cause, seconds, getattr(executor, "num_workers", 1), resumed)
+    return RecoveryEvent(cause, seconds, executor.num_workers, resumed)
