@@ -19,3 +19,11 @@ class InvalidRequestError(MTPServeError, ValueError):
 
 class DeploymentError(MTPServeError):
     """A deployment could not start (placement, a worker's load) or lost a worker; the message names the cause."""
+
+
+class WorkerLost(DeploymentError):
+    """A worker died, closed its channel, failed or hung during a step; the replica may recover from it."""
+
+
+class ReplicaFailed(DeploymentError):
+    """The replica gave up: recovery failed or faults came faster than its budget allows."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mtpserve.errors import InvalidRequestError
 
 MAX_SPECULATIVE_TOKENS = 8
+# Every step searches the new text for each stop string: bound the work one request can ask for.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,8 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             ("max_tokens", self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
-            ("temperature", self.temperature >= 0.0, f"must be >= 0, got {self.temperature}"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0,
+             f"must be finite and >= 0, got {self.temperature}"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, f"must be -1 (off) or >= 1, got {self.top_k}"),
             ("top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1], got {self.top_p}"),
             ("min_p", 0.0 <= self.min_p <= 1.0, f"must be in [0, 1], got {self.min_p}"),
@@ -64,6 +69,10 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, f"must be in [0, 20], got {self.logprobs}"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, f"must be in [0, 2**63), got {self.seed}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
+            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"each at most {MAX_STOP_STRING_CHARS} characters, got one of "
+             f"{max((len(s) for s in self.stop if isinstance(s, str)), default=0)}"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
             ("num_speculative_tokens",
              self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,

@@ -21,6 +21,9 @@ class NewRequest:
     num_spec: int  # draft tokens per step for this request
     seed: int
     block_ids: list[list[int]]  # per KV group: target, then MTP module 0, 1, ...
+    # Resumed after preemption or a worker's loss: the newest verified token, left out of token_ids. The
+    # prefill "samples" it (forced), so the drafts verified next equal those of an undisturbed run.
+    resume_token: int | None = None
 
 
 @dataclass

@@ -10,17 +10,18 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from mtpserve.cluster.block_manager import KVBlockManager
 from mtpserve.cluster.engine_config import EngineConfig, ResolvedConfig
 from mtpserve.cluster.output_processor import OutputProcessor
+from mtpserve.cluster.recovery import FaultBudget, RecoveryEvent, recover
 from mtpserve.cluster.request import Request
 from mtpserve.cluster.scheduler import Scheduler, SchedulerConfig
 from mtpserve.cluster.stats import SpecCounters, StepStats
 from mtpserve.cluster.tokenizer import Tokenizer
 from mtpserve.boundary.messages import StepPlan, StepResult
-from mtpserve.errors import InvalidRequestError
+from mtpserve.errors import InvalidRequestError, WorkerLost
 from mtpserve.outputs import RequestOutput
 from mtpserve.sampling_params import SamplingParams
 
@@ -68,6 +69,9 @@ class LLMEngine:
         self._async = r.async_scheduling and hasattr(self.executor, "submit")
         self._in_flight: _Step | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous one's results were read
+        self.faults = FaultBudget(config.max_faults, config.fault_window_s)
+        self.recoveries: list[RecoveryEvent] = []  # recovered worker faults, for whoever reports them
+        self.on_serving: Callable[[bool], None] | None = None  # told when a recovery starts and ends
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -107,7 +111,19 @@ class LLMEngine:
 
         With async scheduling the next decode step is launched before the host reads the results of
         the one in flight, so the device never waits for the host's postprocessing and scheduling.
+        A lost worker is replaced and the running requests resume (mtpserve/cluster/recovery.py); past
+        the fault budget this raises ReplicaFailed.
         """
+        try:
+            return self._step()
+        except WorkerLost as e:
+            self._in_flight = None  # its result is gone with the worker; the requeued requests redo it
+            self.recoveries.append(recover(self.executor, lambda: len(self.scheduler.requeue_running()),
+                                           self.faults, str(e), self.on_serving))
+            outputs, self._aborted = self._aborted, []
+            return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self._in_flight is None:
             self._in_flight = self._launch(self.scheduler.schedule)
         following = self._launch_overlapped()

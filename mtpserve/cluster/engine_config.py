@@ -47,6 +47,12 @@ class EngineConfig:
     startup_timeout_s: float = 600.0  # every worker's join + load, and each collective afterwards
     target_resources: dict[str, float] | None = None  # extra Ray resources per target bundle (pin to nodes)
     drafter_resources: dict[str, float] | None = None  # extra Ray resources per drafter bundle
+    # Worker faults (Ray): a step past the timeout counts as a hung worker; None = twice the slowest step
+    # seen plus the margin. Faults are recovered from until `max_faults` happen within `fault_window_s`.
+    step_timeout_s: float | None = None
+    step_timeout_margin_s: float = 5.0
+    max_faults: int = 3
+    fault_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.mtp_chain not in CHAIN_MODES:
@@ -58,7 +64,11 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.drafter_devices < 0:
             raise ValueError(f"drafter_devices: must be >= 0, got {self.drafter_devices}")
-        for name in ("placement_timeout_s", "startup_timeout_s"):
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
+        if self.max_faults < 1:
+            raise ValueError(f"max_faults: must be >= 1, got {self.max_faults}")
+        for name in ("placement_timeout_s", "startup_timeout_s", "step_timeout_margin_s", "fault_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 

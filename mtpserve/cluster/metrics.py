@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from mtpserve.cluster.recovery import RecoveryEvent
 from mtpserve.cluster.stats import StepStats
 from mtpserve.outputs import RequestOutput
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
@@ -81,6 +82,7 @@ class PrometheusLogger:
         self.batch_size = Histogram("mtpserve_batch_size", "Requests per engine step.", buckets=_BATCH,
                                     registry=r)
         self._spec_metrics(r)
+        self._recovery_metrics(r)
         self._tracked: dict[str, _Tracked] = {}
         self._precreate_children()
 
@@ -99,6 +101,19 @@ class PrometheusLogger:
         self.acceptance_length = Histogram("mtpserve_spec_decode_acceptance_length", "Tokens emitted per "
                                            "verification step (accepted drafts + 1).", buckets=_ACCEPT_LEN,
                                            registry=r)
+
+    def _recovery_metrics(self, r: CollectorRegistry) -> None:
+        self.worker_restarts = Counter("mtpserve_worker_restarts", "Worker processes replaced after a worker "
+                                       "fault (death, closed channel, failure or hung step).", registry=r)
+        self.recovery_time = Histogram("mtpserve_recovery_seconds", "From noticing a worker fault to the "
+                                       "replacement workers being ready.", buckets=_LATENCY, registry=r)
+        self.requests_resumed = Counter("mtpserve_requests_resumed", "Running requests requeued (their KV "
+                                        "recomputed) after a worker fault.", registry=r)
+
+    def record_recovery(self, event: RecoveryEvent) -> None:
+        self.worker_restarts.inc(event.workers_restarted)
+        self.recovery_time.observe(event.seconds)
+        self.requests_resumed.inc(event.requests_resumed)
 
     def _precreate_children(self) -> None:
         """Export every labelled series at 0 from the start, so dashboards and rate() see them."""

@@ -4,6 +4,11 @@ Ray places, starts and monitors the workers and carries their addresses once; ev
 out over persistent sockets (mtpserve/boundary/channel.py) and tensors move over torch.distributed
 (NCCL on CUDA, gloo on CPU). Start-up is bounded everywhere: placement, every worker's load and the
 channel handshake each have a deadline, and the first worker to fail ends the start with its cause.
+
+A worker lost during a step (its process died, it closed its channel, it failed, or the step ran past
+the step timeout) raises WorkerLost; `recover` then replaces every worker in the same placement groups
+(new groups if those cannot be placed again: their node is gone). All of them, because the survivors'
+torch.distributed group includes the dead rank and may be stuck in a collective with it.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtpserve.cluster import placement
 from mtpserve.boundary.channel import Channel, ChannelClosed, Listener
 from mtpserve.boundary.messages import StepPlan, StepResult
-from mtpserve.errors import DeploymentError
+from mtpserve.errors import DeploymentError, WorkerLost
 from mtpserve.workers.tensor_parallel import check_shardable
 from mtpserve.workers.worker import Worker, WorkerSpec
 
@@ -29,6 +35,7 @@ if TYPE_CHECKING:
     from mtpserve.cluster.engine_config import ResolvedConfig
 
 _STOP_GRACE_S = 5.0
+_POLL_S = 0.5  # while a step runs: how often to look for dead workers and the step timeout
 
 
 class RayExecutor:
@@ -39,7 +46,11 @@ class RayExecutor:
             raise ValueError(f"drafter_devices: {c.drafter_devices} devices for {resolved.num_mtp_modules} MTP "
                              f"module(s) in use (mtp_chain={c.mtp_chain!r}); each device holds at least one module")
         self.tp, self.drafters = c.tensor_parallel_size, c.drafter_devices
+        self.num_workers = self.tp + self.drafters
         self.worker_nodes: dict[str, str] = {}  # worker name -> Ray node id
+        self.worker_pids: dict[str, int] = {}  # worker name -> process id (tests kill workers by it)
+        self._resolved = resolved
+        self._slowest_step = 0.0  # seconds, over every incarnation of the workers
         self._groups: list = []
         self._actors: list[Any] = []
         self._names: list[str] = []
@@ -60,19 +71,30 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init(address=c.ray_address, log_to_driver=True)
             self._started_ray = True
-        use_gpu = r.device.type == "cuda"
+        self._reserve(r)
+        self._launch(r)
+
+    def _reserve(self, r: "ResolvedConfig") -> None:
+        c, use_gpu = r.config, r.device.type == "cuda"
         requests = [placement.GroupRequest("target", self.tp, use_gpu, dict(c.target_resources or {}))]
         if self.drafters:
             requests.append(placement.GroupRequest("drafter", self.drafters, use_gpu, dict(c.drafter_resources or {})))
         self._groups = placement.reserve(requests, c.placement_timeout_s)
+
+    def _launch(self, r: "ResolvedConfig") -> None:
+        """Start the workers in the reserved groups, join them and open their channels."""
+        c, use_gpu = r.config, r.device.type == "cuda"
         deadline = time.monotonic() + c.startup_timeout_s
+        self._actors, self._names = [], []
         self._listener = Listener()
         self._spawn(r, use_gpu)
         master = self._get(self._actors[0].rendezvous_address.remote(), deadline, self._names[0])
         driver = (ray.util.get_node_ip_address(), self._listener.port)
         token = self._listener.token
         starts = {a.start.remote(master, driver, token): name for a, name in zip(self._actors, self._names)}
-        self.worker_nodes = self._wait_all(starts, deadline, c.startup_timeout_s)
+        started = self._wait_all(starts, deadline, c.startup_timeout_s)
+        self.worker_nodes = {name: node for name, (node, _) in started.items()}
+        self.worker_pids = {name: pid for name, (_, pid) in started.items()}
         try:
             by_rank = self._listener.accept(len(self._actors), deadline)
         except TimeoutError as e:
@@ -107,7 +129,7 @@ class RayExecutor:
         except (RayActorError, RayTaskError) as e:
             raise DeploymentError(_failure(name, e, "during start-up")) from None
 
-    def _wait_all(self, refs: dict[ray.ObjectRef, str], deadline: float, timeout_s: float) -> dict[str, str]:
+    def _wait_all(self, refs: dict[ray.ObjectRef, str], deadline: float, timeout_s: float) -> dict[str, Any]:
         """Wait for every worker's start; the first failure wins (the others are likely stuck waiting for it)."""
         pending, done = dict(refs), {}
         while pending:
@@ -135,10 +157,15 @@ class RayExecutor:
 
     def _await_result(self) -> StepResult:
         by_fd, fds = self._by_fd, self._fds
+        started = time.monotonic()
+        limit = self.step_timeout_s()
         while True:
-            ready = select.select(fds, [], [], 1.0)[0]
+            ready = select.select(fds, [], [], _POLL_S)[0]
             if not ready:
                 self._check_alive()  # a hung collective looks like silence: see whether a worker is gone
+                if time.monotonic() - started > limit:
+                    self._fail(f"a step ran past the step timeout of {limit:.1f} s (the slowest before took "
+                               f"{self._slowest_step:.2f} s): a worker hangs")
                 continue
             for fd in ready:
                 ch, name = by_fd[fd]
@@ -147,9 +174,17 @@ class RayExecutor:
                 except (ChannelClosed, OSError):
                     self._fail(f"{name} closed its control channel (its process died?){self._actor_cause(name)}")
                 if msg[0] == "result":
+                    self._slowest_step = max(self._slowest_step, time.monotonic() - started)
                     return msg[1]
                 if msg[0] == "error":
                     self._fail(f"{msg[1]} failed during a step:\n{msg[2]}")
+
+    def step_timeout_s(self) -> float:
+        """The configured step timeout, else the slowest step seen plus a margin (twice it for slow steps)."""
+        c = self._resolved.config
+        if c.step_timeout_s is not None:
+            return c.step_timeout_s
+        return c.step_timeout_margin_s + 2.0 * self._slowest_step
 
     def _check_alive(self) -> None:
         done, _ = ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=0)
@@ -173,28 +208,63 @@ class RayExecutor:
 
     def _fail(self, message: str) -> None:
         self._failed = message
-        raise DeploymentError(message)
+        raise WorkerLost(message)
+
+    # -- recovery -----------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Replace every worker (they load the weights again) and reconnect; raises DeploymentError
+        naming the cause when that fails. The caller resubmits the requests (the new workers hold none)."""
+        self._stop_workers(grace=False)
+        try:
+            if not all(_placed(g) for g in self._groups):  # a node is gone: reserve the bundles anew
+                placement.release(self._groups)
+                self._groups = []
+                self._reserve(self._resolved)
+            self._launch(self._resolved)
+        except BaseException:
+            self._stop_workers(grace=False)
+            raise
+        self._failed = None
+
+    def inject_fault(self, rank: int, kind: str) -> None:
+        """Test hook: the worker of this rank exits ("exit") or hangs ("hang") before its next step.
+        Call it where steps are driven (the engine thread): the channel carries one message at a time."""
+        self._channels[rank].send(("fault", kind))
 
     # -- shutdown -----------------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def _stop_workers(self, grace: bool) -> None:
+        """Ask the workers to stop (with grace: wait for them a little), then end their processes."""
         for ch in self._channels:
             try:
                 ch.send(("stop", None))
             except OSError:
                 pass
-        if self._serve_refs and not self._failed:
+        if self._serve_refs and grace:
             ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=_STOP_GRACE_S)
         for actor in self._actors:
-            ray.kill(actor)
+            ray.kill(actor, no_restart=True)
         for ch in self._channels:
             ch.close()
-        placement.release(self._groups)
         if self._listener is not None:
             self._listener.close()
-        self._actors, self._channels, self._serve_refs, self._groups, self._listener = [], [], [], [], None
+        self._actors, self._names, self._channels, self._serve_refs, self._listener = [], [], [], [], None
+        self.worker_pids, self.worker_nodes = {}, {}
+
+    def shutdown(self) -> None:
+        self._stop_workers(grace=not self._failed)
+        placement.release(self._groups)
+        self._groups = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _placed(group: Any) -> bool:
+    """Whether a placement group still holds all its bundles (Ray re-places those of a lost node)."""
+    try:
+        return placement_group_table(group).get("state") == "CREATED"
+    except Exception:  # the group was removed, or the GCS cannot say
+        return False
 
 
 def _failure(name: str, e: Exception, when: str) -> str:

@@ -33,6 +33,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    resume_token: int | None = None  # held out of token_ids while its KV is recomputed (NewRequest.resume_token)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -23,7 +23,7 @@ import grpc
 
 from mtpserve.cluster.engine import LLMEngine
 from mtpserve.cluster.metrics import PrometheusLogger
-from mtpserve.errors import InvalidRequestError
+from mtpserve.errors import InvalidRequestError, ReplicaFailed
 from mtpserve.outputs import RequestOutput
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from mtpserve.v1 import generation_pb2 as pb
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FIELD_METADATA_KEY = "mtpserve-field"  # trailing metadata naming the invalid field
 MAX_REQUEST_ID_LEN = 256
 ABORT_TIMEOUT_S = 30.0  # an engine step never takes this long; past it the engine thread is gone
+RETRY_METADATA_KEY = "mtpserve-retry-after-ms"  # on UNAVAILABLE while the replica recovers
+RECOVERY_RETRY_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class EngineFailed(RuntimeError):
     """The engine step raised; every request in flight gets this instead of further output."""
 
 
+class ReplicaUnavailable(EngineFailed):
+    """The replica gave up after worker faults (ReplicaFailed): UNAVAILABLE, another replica may serve."""
+
+
 Sink = Callable[[Any], None]  # receives Delta, InvalidRequestError or EngineFailed
 
 
@@ -72,6 +78,10 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}  # requests admitted and not yet finished
         self._flush = False  # aborted outputs wait in the engine for the next step
+        self.failure: str | None = None  # why the replica failed (it then refuses every request)
+        self.recovering = False  # replacing lost workers: requests wait in the inbox meanwhile
+        self.on_health: Callable[[bool], None] | None = None  # told when the replica stops or resumes serving
+        engine.on_serving = self._serving_changed
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -79,6 +89,14 @@ class EngineLoop:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def serving(self) -> bool:
+        return self._thread.is_alive() and self.failure is None and not self.recovering
+
+    def _serving_changed(self, serving: bool) -> None:
+        self.recovering = not serving and self.failure is None
+        if self.on_health is not None:
+            self.on_health(self.serving())
 
     # -- called from any thread -------------------------------------------------------------------
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float,
@@ -112,7 +130,7 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while True:
-            busy = self.engine.has_unfinished_requests() or self._flush
+            busy = (self.engine.has_unfinished_requests() or self._flush) and self.failure is None
             commands = [self._inbox.get()] if not busy else []  # idle: sleep until a command arrives
             while True:
                 try:
@@ -124,7 +142,7 @@ class EngineLoop:
                     self._abort_all()
                     return
                 self._handle(command)
-            if self.engine.has_unfinished_requests() or self._flush:
+            if (self.engine.has_unfinished_requests() or self._flush) and self.failure is None:
                 self._step()
 
     def _handle(self, command: tuple) -> None:
@@ -148,6 +166,9 @@ class EngineLoop:
 
     def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float,
              sink: Sink) -> None:
+        if self.failure is not None:
+            sink(ReplicaUnavailable(self.failure))
+            return
         try:
             if request_id in self._sinks:  # also covers an aborted request whose final output is pending
                 raise InvalidRequestError("request_id", f"a request with id {request_id!r} is already running")
@@ -165,12 +186,21 @@ class EngineLoop:
         self._flush = False
         try:
             outputs = self.engine.step()
+        except ReplicaFailed as e:
+            log.error("%s", e)
+            self.failure = str(e)
+            self._serving_changed(False)
+            self._fail_all(ReplicaUnavailable(str(e)))
+            return
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
             self._fail_all(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
             return
         if self.logger is not None:
             self.logger.record_step(self.engine.last_stats, outputs)
+            for event in self.engine.recoveries:
+                self.logger.record_recovery(event)
+        self.engine.recoveries.clear()
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
@@ -257,8 +287,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params, prompt = sampling_params_from_proto(request.sampling), prompt_from_proto(request)
         except InvalidRequestError as e:
             await _abort_invalid(context, e)
-        if not self.engine_loop.is_alive():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine has stopped")
+        if not self.engine_loop.is_alive() or self.engine_loop.failure:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine_loop.failure or "the engine has stopped")
+        if self.outstanding >= self.max_outstanding and self.engine_loop.recovering:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "queue full while the replica recovers from a worker "
+                                f"fault: retry in {RECOVERY_RETRY_MS / 1000:g} s",
+                                trailing_metadata=((RETRY_METADATA_KEY, str(RECOVERY_RETRY_MS)),))
         if self.outstanding >= self.max_outstanding:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"queue full: {self.outstanding} requests in flight (limit {self.max_outstanding})")
@@ -276,7 +310,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if isinstance(item, EngineFailed):
                     live = False
                     yield pb.GenerateResponse(request_id=request_id, error=pb.Error(message=str(item)))
-                    await context.abort(grpc.StatusCode.INTERNAL, str(item))
+                    code = grpc.StatusCode.UNAVAILABLE if isinstance(item, ReplicaUnavailable) else grpc.StatusCode.INTERNAL
+                    await context.abort(code, str(item))
                 for response in responses_of(request_id, item):
                     yield response
                 if item.finish_reason is not None:

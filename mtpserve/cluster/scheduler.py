@@ -122,6 +122,11 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != Status.RUNNING:
                 continue  # a stop found one step late: what was computed after it is dropped
+            if req.resume_token is not None:  # the recomputed prefill emitted the held-back token again
+                req.token_ids.append(req.resume_token)
+                req.resume_token = None
+                req.num_computed, req.num_drafts = len(req.token_ids) - 1, req.num_spec
+                continue
             kept = req.append_verified(tokens)
             # The last token is sampled but not yet fed to the target: it is input to the next step.
             req.num_computed = len(req.token_ids) - 1
@@ -166,10 +171,23 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.request_id)
         plan.freed_ids.append(req.request_id)
+        if req.num_output_tokens and req.resume_token is None:
+            # Hold the newest token back: the recomputing prefill ends by emitting it again (forced), and
+            # drafts from it exactly as the step that produced it did, so seeded sampling is undisturbed.
+            req.resume_token = req.token_ids.pop()
         req.status, req.num_computed, req.num_drafts = Status.WAITING, 0, 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def requeue_running(self) -> list[Request]:
+        """After the workers were lost: every running request waits again to be recomputed, oldest
+        first (they lost their KV with the workers); returns them."""
+        lost = list(self.running)
+        for req in reversed(lost):
+            self._preempt(req, StepPlan())
+        self._freed = []  # the new workers never saw these ids
+        return lost
 
     def _new_request(self, req: Request) -> NewRequest:
         if req.first_scheduled_time is None:
@@ -182,6 +200,7 @@ class Scheduler:
             num_spec=req.num_spec,
             seed=req.seed,
             block_ids=[list(b) for b in self.blocks.tables[req.request_id]],
+            resume_token=req.resume_token,
         )
 
     @staticmethod

@@ -154,6 +154,7 @@ class Replica:
         self.health: Any = None
         self.metrics_http: Any = None
         self.watchdog: asyncio.Task | None = None
+        self.servicer: Any = None
         self.port = 0
         self.metrics_port = -1
 
@@ -170,12 +171,16 @@ class Replica:
         logger = PrometheusLogger(r.num_mtp_modules, r.config.mtp_chain)
         self.engine_loop = EngineLoop(self.engine, logger)
         self.engine_loop.start()
+        loop = asyncio.get_running_loop()
+        # Worker faults: NOT_SERVING while the replica recovers (or for good once it gave up).
+        self.engine_loop.on_health = lambda serving: asyncio.run_coroutine_threadsafe(
+            self._set_health(serving), loop)
         token = o.token()
         # so_reuseport off: a port already taken must fail loudly instead of being shared silently.
         self.grpc_server = grpc.aio.server(interceptors=[BearerAuthInterceptor(token)] if token else [],
                                            options=[("grpc.so_reuseport", 0)])
-        servicer = GenerationServicer(self.engine_loop, model_info(self.engine, o.model_name),
-                                      r.config.max_num_seqs + o.max_queue_size)
+        self.servicer = servicer = GenerationServicer(self.engine_loop, model_info(self.engine, o.model_name),
+                                                      r.config.max_num_seqs + o.max_queue_size)
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -196,6 +201,15 @@ class Replica:
                  "TLS" if o.tls_cert_file else "plaintext", ", bearer auth" if token else "",
                  f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off")
         return self
+
+    async def _set_health(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        from mtpserve.v1 import generation_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name):
+            await self.health.set(service, status)
 
     async def _watch_engine(self, services: list[str], period: float = 1.0) -> None:
         """Health turns NOT_SERVING if the engine thread ends, so load balancers and probes stop routing here."""
@@ -262,8 +276,10 @@ class ServerThread:
         return self.replica.metrics_port
 
     def healthy(self) -> bool:
+        """False once the engine stopped or gave up after worker faults (not while it recovers: a
+        supervisor restarting the replica then would only lose the requests it is resuming)."""
         loop = self.replica.engine_loop
-        return self._thread.is_alive() and loop is not None and loop.is_alive()
+        return self._thread.is_alive() and loop is not None and loop.is_alive() and loop.failure is None
 
     def stop(self, grace: float = 0.0, timeout: float = 60.0) -> None:
         if self._thread.is_alive():

@@ -140,7 +140,7 @@ class ModelRunner:
             return [False] * len(reqs)
         modules = self.config.num_mtp_modules
         return [n == 1 and r.num_computed == len(r.token_ids) - 1 and len(r.token_ids) > modules
-                for r, n in zip(reqs, plan.num_tokens)]
+                and r.forced_token is None for r, n in zip(reqs, plan.num_tokens)]
 
     def _launch_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> "PendingStep":
         t0 = time.perf_counter()
@@ -219,6 +219,7 @@ class ModelRunner:
             uniforms(seed, frontier + torch.arange(k, device=dev), STREAM_ACCEPT),
             uniforms(seed, frontier + torch.arange(k + 1, device=dev), STREAM_SAMPLE),
         )
+        _force_resumed(f_reqs, tokens)
         host = self._to_host(f_reqs, torch.cat((accepted[:, None], tokens), dim=1), raw)  # the step's one sync
         result = StepResult()
         for r, row in zip(f_reqs, host):
@@ -269,6 +270,15 @@ class ModelRunner:
         if self.model.config.mtp.hidden_pre_norm or len(self.model.mtp) == 0:
             return hidden
         return self.model.target.norm(hidden)
+
+
+def _force_resumed(reqs: list[CachedRequest], tokens: torch.Tensor) -> None:
+    """A resumed request's prefill emits the token it had already produced (it verifies no drafts, so
+    column 0 is its one token); its drafts then come from the same inputs as in an undisturbed run."""
+    forced = [(i, r.forced_token) for i, r in enumerate(reqs) if r.forced_token is not None]
+    if forced:  # rare (after preemption or recovery): one small host-to-device copy
+        rows, values = zip(*forced)
+        tokens[list(rows), 0] = torch.tensor(values, dtype=tokens.dtype, device=tokens.device)
 
 
 def _logprob_dicts(row: list[float], accepted: int, k: int, n: int | None) -> list[dict[int, float]] | None:

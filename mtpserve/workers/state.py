@@ -32,12 +32,14 @@ class CachedRequest:
     slot: int
     num_computed: int = 0  # target positions committed
     mtp_computed: list[int] = field(default_factory=list)  # per module: positions committed
+    forced_token: int | None = None  # what the prefill's sample must be (a resumed request's newest token)
 
     @staticmethod
     def from_new(new: NewRequest, slot: int, num_modules: int) -> "CachedRequest":
         return CachedRequest(
             new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params, new.num_spec,
             new.seed, [list(b) for b in new.block_ids], slot, mtp_computed=[0] * num_modules,
+            forced_token=new.resume_token,
         )
 
 
@@ -134,6 +136,7 @@ def record_emitted(reqs: list[CachedRequest], emitted: list[list[int]], slots: S
     """Append each request's verified tokens (accepted drafts + one sampled) and count them for penalties."""
     for r, tokens in zip(reqs, emitted):
         r.token_ids += tokens
+        r.forced_token = None
         r.num_computed = len(r.token_ids) - 1
     slots.count_tokens([r.slot for r, t in zip(reqs, emitted) for _ in t], [x for t in emitted for x in t])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,7 +27,9 @@ from mtpserve.workers.tensor_parallel import TPGroup, shard_model
 
 T = TypeVar("T")
 
-# Test-only fault injection: "<role>:<rank>:<point>" makes that worker's process exit at that point.
+# Test-only fault injection: "<role>:<rank>:<point>" makes that worker's process exit at that point
+# ("init", "load", or "step": its first step with requests, in every incarnation of that rank). A worker
+# also takes ("fault", "exit" | "hang") on its control channel (RayExecutor.inject_fault, tests only).
 FAULT_ENV = "MTPSERVE_TEST_FAULT"
 
 
@@ -59,8 +62,8 @@ class Worker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, master: tuple[str, int], driver: tuple[str, int], token: bytes) -> str:
-        """Join the group, load, connect to the driver; returns this worker's Ray node id."""
+    def start(self, master: tuple[str, int], driver: tuple[str, int], token: bytes) -> tuple[str, int]:
+        """Join the group, load, connect to the driver; returns this worker's Ray node id and process id."""
         import ray
 
         spec, device = self.spec, _device(self.spec.model.device)
@@ -73,16 +76,22 @@ class Worker:
         self.runner = _build_target(spec, device, tp_group) if spec.role == "target" else _build_drafter(spec, device)
         self.channel = Channel.connect(driver, timeout=spec.timeout_s, token=token)
         self.channel.send(("hello", spec.rank))
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def serve(self) -> None:
         """The step loop: every worker applies every plan; target rank 0 answers."""
         runner, ch, answer = self.runner, self.channel, self.spec.rank == 0
+        doomed = _fault_wanted(self.spec, "step")
         try:
             while True:
                 kind, plan = ch.recv()
                 if kind == "stop":
                     return
+                if kind == "fault":
+                    _inject(plan)
+                    continue
+                if doomed and plan.req_ids:
+                    os._exit(17)
                 result = runner.execute(plan)
                 if answer:
                     ch.send(("result", result))
@@ -106,9 +115,22 @@ def _device(configured: torch.device) -> torch.device:
     return torch.device("cuda", 0)
 
 
+def _fault_wanted(spec: WorkerSpec, point: str) -> bool:
+    return os.environ.get(FAULT_ENV) == f"{spec.role}:{spec.rank}:{point}"
+
+
 def _maybe_fault(spec: WorkerSpec, point: str) -> None:
-    if os.environ.get(FAULT_ENV) == f"{spec.role}:{spec.rank}:{point}":
+    if _fault_wanted(spec, point):
         os._exit(17)
+
+
+def _inject(kind: str) -> None:
+    """Test hook: die now, or hang (the step never finishes) until the executor replaces this process."""
+    if kind == "exit":
+        os._exit(17)
+    if kind == "hang":
+        threading.Event().wait()
+    raise ValueError(f"unknown fault {kind!r}")
 
 
 def _topology(spec: WorkerSpec) -> Topology:

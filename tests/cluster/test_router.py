@@ -234,6 +234,8 @@ BAD = [
     ("max_tokens negative", _raw(max_tokens=-4), "max_tokens"),
     ("max_tokens beyond context", _raw(max_tokens=511), "max_tokens"),
     ("temperature < 0", _raw(temperature=-0.1), "temperature"),
+    ("temperature nan", _raw(temperature=float("nan")), "temperature"),
+    ("temperature inf", _raw(temperature=float("inf")), "temperature"),
     ("top_p 0", _raw(top_p=0.0), "top_p"),
     ("top_p > 1", _raw(top_p=1.5), "top_p"),
     ("top_k 0", _raw(top_k=0), "top_k"),
@@ -249,6 +251,8 @@ BAD = [
     ("logprobs > 20", _raw(logprobs=21), "logprobs"),
     ("negative seed", _raw(seed=-1), "seed"),
     ("empty stop string", _raw(stop=[""]), "stop"),
+    ("too many stop strings", _raw(stop=[f"s{i}" for i in range(17)]), "stop"),
+    ("stop string too long", _raw(stop=["x" * 257]), "stop"),
     ("request id too long", pb.GenerateRequest(request_id="x" * 300, token_ids=pb.TokenIds(ids=[5])), "request_id"),
 ]
 
