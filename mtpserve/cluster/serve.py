@@ -39,6 +39,7 @@ class ServerOptions:
     host: str = "0.0.0.0"
     port: int = 50051  # gRPC; 0 picks a free port
     metrics_port: int = 9400  # Prometheus text endpoint; 0 picks a free port, -1 turns it off
+    http_port: int = -1  # the OpenAI-compatible HTTP API; 0 picks a free port, -1 turns it off
     model_name: str | None = None  # reported by GetModelInfo; default: the checkpoint directory's name
     max_queue_size: int = 256  # requests waiting beyond max_num_seqs; more get RESOURCE_EXHAUSTED
     auth_token: str | None = None  # bearer token required on every RPC but health (or $MTPSERVE_AUTH_TOKEN)
@@ -153,9 +154,11 @@ class Replica:
         self.grpc_server: Any = None
         self.health: Any = None
         self.metrics_http: Any = None
+        self.http: Any = None
         self.watchdog: asyncio.Task | None = None
         self.port = 0
         self.metrics_port = -1
+        self.http_port = -1
 
     async def start(self) -> "Replica":
         import grpc
@@ -192,10 +195,24 @@ class Replica:
 
             self.metrics_http, _ = start_http_server(o.metrics_port, addr=o.host, registry=logger.registry)
             self.metrics_port = self.metrics_http.server_port
-        log.info("serving gRPC on %s:%d (%s%s), metrics on %s", o.host, self.port,
+        if o.http_port >= 0:
+            await self._start_http(servicer, token)
+        log.info("serving gRPC on %s:%d (%s%s), metrics on %s, OpenAI HTTP API on %s", o.host, self.port,
                  "TLS" if o.tls_cert_file else "plaintext", ", bearer auth" if token else "",
-                 f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off")
+                 f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off",
+                 f"http://{o.host}:{self.http_port}/v1" if self.http else "off")
         return self
+
+    async def _start_http(self, servicer: Any, token: str | None) -> None:
+        """The OpenAI-compatible API on the same engine loop, admission limit, metrics and token as gRPC."""
+        from mtpserve.cluster.chat_template import ChatTemplate
+        from mtpserve.cluster.http_server import HttpServer, OpenAIServer
+
+        o, r = self.options, self.engine.resolved
+        state = OpenAIServer(servicer, servicer.info.name, self.engine.tokenizer,
+                             ChatTemplate.from_checkpoint(r.model_path), r.max_model_len, token)
+        self.http = HttpServer(state, o.host, o.http_port, "warning")
+        self.http_port = await self.http.start()
 
     async def _watch_engine(self, services: list[str], period: float = 1.0) -> None:
         """Health turns NOT_SERVING if the engine thread ends, so load balancers and probes stop routing here."""
@@ -228,8 +245,9 @@ class Replica:
             self.watchdog.cancel()
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace)  # then cancels what is left: those streams abort their requests
+        # Both APIs drain together, then cancel what is left: those streams abort their requests.
+        await asyncio.gather(*([self.grpc_server.stop(grace)] if self.grpc_server is not None else []),
+                             *([self.http.stop(grace)] if self.http is not None else []))
         if self.engine_loop is not None:
             await asyncio.to_thread(self.engine_loop.stop)
         if self.metrics_http is not None:
@@ -260,6 +278,10 @@ class ServerThread:
     @property
     def metrics_port(self) -> int:
         return self.replica.metrics_port
+
+    @property
+    def http_port(self) -> int:
+        return self.replica.http_port
 
     def healthy(self) -> bool:
         loop = self.replica.engine_loop
