@@ -7,6 +7,7 @@ delta). The last delta of a request carries its finish reason and the usage figu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Iterator
 
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from mtpserve.cluster import openai_protocol as oa
 from mtpserve.cluster.http_server import OpenAIServer
 from mtpserve.cluster.router import Delta
+from mtpserve.errors import InvalidRequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -48,9 +50,21 @@ def add_routes(app: FastAPI, state: OpenAIServer) -> None:
         wanted = body.wanted_max_tokens()
         # No limit given: up to the context (the engine refuses a prompt that leaves no room).
         max_tokens = wanted if wanted is not None else max(state.max_model_len - len(prompt), 1)
-        params = body.sampling_params(max_tokens, num_logprobs)
-        view = _ChatView(state, body, num_logprobs)
-        return await state.generate(request, prompt, params, view.respond, view.chunks if body.stream else None)
+        with _renamed("max_tokens", "max_completion_tokens" if body.max_completion_tokens is not None else None):
+            params = body.sampling_params(max_tokens, num_logprobs)
+            view = _ChatView(state, body, num_logprobs)
+            return await state.generate(request, prompt, params, view.respond, view.chunks if body.stream else None)
+
+
+@contextlib.contextmanager
+def _renamed(field: str, as_given: str | None) -> Iterator[None]:
+    """Errors about `field` name the request's own field for it (max_completion_tokens is max_tokens inside)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if as_given is None or e.field != field:
+            raise
+        raise InvalidRequestError(as_given, str(e).removeprefix(f"{field}: ")) from e
 
 
 class _View:

@@ -52,10 +52,13 @@ class APIError(Exception):
         return JSONResponse(self.body, status_code=self.status)
 
 
+ADMITTED = None  # what engine_stream yields first: the engine took the request (its refusals come before)
+
+
 async def engine_stream(servicer: GenerationServicer, request_id: str, prompt: str | list[int],
-                        params: SamplingParams) -> AsyncIterator[Delta]:
-    """A request's deltas from the shared engine loop; raises InvalidRequestError or EngineFailed. Ending the
-    iteration early (a client gone, a cancelled task) aborts the request, as a gRPC stream's end does."""
+                        params: SamplingParams) -> AsyncIterator[Delta | None]:
+    """ADMITTED, then a request's deltas from the shared engine loop; raises InvalidRequestError or EngineFailed.
+    Ending the iteration early (a client gone, a cancelled task) aborts the request, as a gRPC stream's end does."""
     engine_loop: EngineLoop = servicer.engine_loop
     if not engine_loop.is_alive():
         raise APIError(503, "the engine has stopped", "server_error")
@@ -68,8 +71,14 @@ async def engine_stream(servicer: GenerationServicer, request_id: str, prompt: s
     live = True
     try:
         engine_loop.add(request_id, prompt, params, time.monotonic(), sink)
+        # The engine thread takes commands in order: once this no-op has run, the add was handled, and a
+        # refusal is already in `items` (the sink hops onto this loop before the future's callback does).
+        await asyncio.wrap_future(engine_loop.call(lambda engine: None))
+        pending = [] if items.empty() else [items.get_nowait()]
+        if not (pending and isinstance(pending[0], (InvalidRequestError, EngineFailed))):
+            yield ADMITTED
         while True:
-            item = await items.get()
+            item = pending.pop() if pending else await items.get()
             if isinstance(item, (InvalidRequestError, EngineFailed)):
                 live = False
                 raise item
@@ -94,7 +103,8 @@ class OpenAIServer:
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(self._token_text)
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+        # Special tokens keep their text here: a logprob entry must say which token it is.
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else f"token_id:{token_id}"
 
     # -- request -> engine ---------------------------------------------------------------------------------
     def check_model(self, body: oa._Common) -> None:
@@ -120,18 +130,18 @@ class OpenAIServer:
             raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
         stream = engine_stream(self.servicer, request_id, prompt, params)
         try:
-            first = await anext(stream)  # refusals (bad prompt, duplicate id) become a status, not an event
+            await anext(stream)  # refusals (bad prompt, duplicate id) become a status, not an event
         except EngineFailed as e:
             raise APIError(500, str(e), "server_error") from e
         if chunks is None:
-            return JSONResponse(respond(request_id, await _rest_unless_gone(request, first, stream)))
-        return StreamingResponse(_events(request_id, first, stream, chunks), media_type="text/event-stream")
+            return JSONResponse(respond(request_id, await _all_unless_gone(request, stream)))
+        return StreamingResponse(_events(request_id, stream, chunks), media_type="text/event-stream")
 
 
-async def _rest_unless_gone(request: Request, first: Delta, stream: AsyncIterator[Delta]) -> list[Delta]:
+async def _all_unless_gone(request: Request, stream: AsyncIterator[Delta]) -> list[Delta]:
     """All deltas; if the client goes away first, the request is aborted (its KV freed) instead."""
     async def rest() -> list[Delta]:
-        return [first] + [d async for d in stream]
+        return [d async for d in stream]
 
     collect = asyncio.ensure_future(rest())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -156,11 +166,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(request_id: str, first: Delta, stream: AsyncIterator[Delta],
+async def _events(request_id: str, stream: AsyncIterator[Delta],
                   chunks: Callable[[str, Delta], Iterator[dict[str, Any]]]) -> AsyncIterator[str]:
     try:
-        for chunk in chunks(request_id, first):
-            yield _sse(chunk)
         async for delta in stream:
             for chunk in chunks(request_id, delta):
                 yield _sse(chunk)
