@@ -304,15 +304,20 @@ class ServerThread:
 class RayServeReplica:
     """The body of the Ray Serve deployment that a KubeRay RayService runs (deploy/kuberay/rayservice.yaml).
 
-    Ray Serve only supervises here: it places the replica, restarts it when check_health fails and
-    rolls it on upgrades. Requests do not pass through Serve's proxies; the replica serves its own gRPC
-    and metrics ports, as `python -m mtpserve.cluster.serve` does.
+    Ray Serve only supervises here: it places the replicas, replaces one whose process dies or whose
+    check_health fails, and rolls them on upgrades. Requests do not pass through Serve's proxies; each
+    replica serves its own gRPC, OpenAI HTTP and metrics ports, as `python -m mtpserve.cluster.serve` does
+    (`endpoints()` tells which, for replicas that picked free ports).
     """
 
     def __init__(self, config: str | None = None, **overrides: Any) -> None:
         engine_config, options = load_config(Path(config) if config else None, overrides)
         setup_logging(options.log_level)
         self.server = ServerThread(load_engine(engine_config), options, start_timeout=600.0)
+
+    def endpoints(self) -> dict[str, int]:
+        return {"pid": os.getpid(), "grpc_port": self.server.port, "http_port": self.server.http_port,
+                "metrics_port": self.server.metrics_port}
 
     def check_health(self) -> None:
         if not self.server.healthy():
@@ -326,14 +331,18 @@ class RayServeReplica:
             self.shutdown()
 
 
+def ray_serve_deployment() -> Any:
+    """The Serve deployment of RayServeReplica (`.options(num_replicas=...)` to change its settings)."""
+    from ray import serve  # needs ray[serve]; only RayService deployments use it
+
+    return serve.deployment(name="mtpserve", num_replicas=1, health_check_period_s=10, health_check_timeout_s=30,
+                            graceful_shutdown_timeout_s=30)(RayServeReplica)
+
+
 def build_ray_serve_app(args: dict[str, Any]) -> Any:
     """Ray Serve application builder (`import_path: mtpserve.cluster.serve:build_ray_serve_app`); args are
     `config` (a YAML path) plus any config keys, which override the file's."""
-    from ray import serve  # needs ray[serve]; only RayService deployments use it
-
-    deployment = serve.deployment(name="mtpserve", num_replicas=1, health_check_period_s=10,
-                                  health_check_timeout_s=30, graceful_shutdown_timeout_s=30)(RayServeReplica)
-    return deployment.bind(**dict(args))
+    return ray_serve_deployment().bind(**dict(args))
 
 
 # -- the process ------------------------------------------------------------------------------------
