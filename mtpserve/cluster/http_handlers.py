@@ -72,6 +72,9 @@ class _View:
         self.state, self.body, self.num_logprobs = state, body, num_logprobs
         self.created = int(time.time())
 
+    def with_ids(self, choice: dict[str, Any], delta: Delta) -> dict[str, Any]:
+        return {**choice, "token_ids": delta.token_ids} if self.body.return_token_ids else choice
+
     def usage_chunk(self, request_id: str, kind: Any, delta: Delta) -> Iterator[dict[str, Any]]:
         if delta.finish_reason is not None and self.body.include_usage:
             yield {**oa.envelope(request_id, kind, self.state.model_name, [], self.created), "usage": oa.usage(delta)}
@@ -89,12 +92,14 @@ class _CompletionView(_View):
 
     def respond(self, request_id: str, deltas: list[Delta]) -> dict[str, Any]:
         whole = _joined(deltas)
-        choice = {"index": 0, "text": whole.text, "logprobs": self.logprobs(whole), "finish_reason": whole.finish_reason}
+        choice = self.with_ids({"index": 0, "text": whole.text, "logprobs": self.logprobs(whole),
+                                "finish_reason": whole.finish_reason}, whole)
         return {**oa.envelope(request_id, "text_completion", self.state.model_name, [choice], self.created),
                 "usage": oa.usage(whole)}
 
     def chunks(self, request_id: str, delta: Delta) -> Iterator[dict[str, Any]]:
-        choice = {"index": 0, "text": delta.text, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
+        choice = self.with_ids({"index": 0, "text": delta.text, "logprobs": self.logprobs(delta),
+                                "finish_reason": delta.finish_reason}, delta)
         chunk = oa.envelope(request_id, "text_completion", self.state.model_name, [choice], self.created)
         yield {**chunk, "usage": None} if self.body.include_usage else chunk
         yield from self.usage_chunk(request_id, "text_completion", delta)
@@ -108,8 +113,8 @@ class _ChatView(_View):
 
     def respond(self, request_id: str, deltas: list[Delta]) -> dict[str, Any]:
         whole = _joined(deltas)
-        choice = {"index": 0, "message": {"role": "assistant", "content": whole.text},
-                  "logprobs": self.logprobs(whole), "finish_reason": whole.finish_reason}
+        choice = self.with_ids({"index": 0, "message": {"role": "assistant", "content": whole.text},
+                                "logprobs": self.logprobs(whole), "finish_reason": whole.finish_reason}, whole)
         return {**oa.envelope(request_id, "chat.completion", self.state.model_name, [choice], self.created),
                 "usage": oa.usage(whole)}
 
@@ -118,8 +123,8 @@ class _ChatView(_View):
         if delta.text or delta.token_ids or not self.started:
             message["content"] = delta.text
         self.started = True
-        choice = {"index": 0, "delta": message, "logprobs": self.logprobs(delta) if delta.token_ids else None,
-                  "finish_reason": delta.finish_reason}
+        choice = self.with_ids({"index": 0, "delta": message, "finish_reason": delta.finish_reason,
+                                "logprobs": self.logprobs(delta) if delta.token_ids else None}, delta)
         chunk = oa.envelope(request_id, "chat.completion.chunk", self.state.model_name, [choice], self.created)
         yield {**chunk, "usage": None} if self.body.include_usage else chunk
         yield from self.usage_chunk(request_id, "chat.completion.chunk", delta)

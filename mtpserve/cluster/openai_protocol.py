@@ -49,6 +49,7 @@ class _Common(BaseModel):
     num_speculative_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # vLLM extra: each choice also carries its token ids
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the field, as the gRPC router does."""
