@@ -85,7 +85,7 @@ def test_kuberay_manifests_run_the_serve_entrypoint() -> None:
 
 
 def test_ray_serve_replica_body(trained_ckpt: Path, tmp_path: Path) -> None:
-    """What the RayService deployment runs, without Ray Serve (not a dependency): load, serve, health."""
+    """What the RayService deployment runs, without Ray Serve (test_ray_serve.py runs it under Serve): load, serve, health."""
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"model": str(trained_ckpt), "num_kv_blocks": 64, "host": "127.0.0.1"}))
     replica = RayServeReplica(str(config), port=0, metrics_port=-1)
