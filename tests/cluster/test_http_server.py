@@ -344,3 +344,36 @@ def test_bearer_token(ckpt: Path) -> None:
             assert good.completions.create(model=MODEL, prompt=[5], max_tokens=2).choices[0].finish_reason
     finally:
         srv.stop()
+
+
+def test_engine_failure_is_500_and_the_server_recovers(ckpt: Path) -> None:
+    srv = start(ckpt, http_port=0)
+    try:
+        def break_step(engine: Any) -> None:
+            def boom() -> list:
+                raise RuntimeError("injected failure")
+            engine.step = boom
+        srv.replica.engine_loop.call(break_step).result(10)
+        with openai.OpenAI(base_url=base_url(srv), api_key="unused", max_retries=0, timeout=60) as c:
+            with pytest.raises(openai.InternalServerError, match="injected failure") as err:
+                c.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4)
+            assert err.value.status_code == 500 and err.value.body["type"] == "server_error"
+            srv.replica.engine_loop.call(lambda e: delattr(e, "step")).result(10)  # the class's step again
+            assert c.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4,
+                                        extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+    finally:
+        srv.stop()
+
+
+def test_http_port_flag_and_yaml_key(tmp_path: Path) -> None:
+    import argparse
+
+    from mtpserve.cluster.serve import add_serve_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = tmp_path / "serve.yaml"
+    config.write_text("http-port: 8081\n")
+    assert config_from_args(parser.parse_args(["--config", str(config)]))[1].http_port == 8081
+    assert config_from_args(parser.parse_args(["--config", str(config), "--http-port", "9090"]))[1].http_port == 9090
+    assert config_from_args(parser.parse_args([]))[1].http_port == -1  # off unless asked for
