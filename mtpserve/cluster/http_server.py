@@ -105,7 +105,9 @@ class OpenAIServer:
 
     def _token_text(self, token_id: int) -> str:
         # Special tokens keep their text here: a logprob entry must say which token it is.
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else f"token_id:{token_id}"
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- request -> engine ---------------------------------------------------------------------------------
     def check_model(self, body: oa._Common) -> None:
