@@ -353,8 +353,12 @@ def test_engine_failure_is_500_and_the_server_recovers(ckpt: Path) -> None:
             def boom() -> list:
                 raise RuntimeError("injected failure")
             engine.step = boom
-        srv.replica.engine_loop.call(break_step).result(10)
         with openai.OpenAI(base_url=base_url(srv), api_key="unused", max_retries=0, timeout=60) as c:
+            chunks = iter(c.completions.create(model=MODEL, prompt=[5, 6], stream=True, **extras(LONG)))
+            assert next(chunks).choices[0].text
+            srv.replica.engine_loop.call(break_step).result(10)
+            with pytest.raises(openai.APIError, match="injected failure"):  # an error event: the status is sent
+                list(chunks)
             with pytest.raises(openai.InternalServerError, match="injected failure") as err:
                 c.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4)
             assert err.value.status_code == 500 and err.value.body["type"] == "server_error"
