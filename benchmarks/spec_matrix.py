@@ -5,6 +5,7 @@
     python benchmarks/spec_matrix.py --model DIR --prompts prompts.jsonl --temperature 0.7
     python benchmarks/spec_matrix.py --tiny --device cpu       # a tiny code model trained now, seconds
     python benchmarks/spec_matrix.py --grpc localhost:50051    # a running server, through the gRPC API
+    python benchmarks/spec_matrix.py --http localhost:8080     # a running server, through the OpenAI HTTP API
 
 By default this measures the in-process engine: one LLMEngine (the object LLM wraps) is built here
 and its step() is driven by this script, which timestamps every token when step() hands it back; no
@@ -12,7 +13,9 @@ server, network or client is in those numbers. With --grpc HOST:PORT it measures
 (`mtpserve serve ...`) through mtpserve.cluster.client.AsyncClient instead, timestamping each
 streamed chunk on arrival; the server's own engine settings (max_num_seqs, device, ...) then apply,
 and the per-position acc@j columns stay empty (the API reports accepted drafts and verify steps per
-request, not per position; AL is computed from those).
+request, not per position; AL is computed from those). --http HOST:PORT does the same through the
+OpenAI-compatible HTTP API (`mtpserve serve --http-port`) with the official `openai` client, streaming
+/v1/completions (server-sent events).
 
 For each concurrency C, a closed loop keeps C requests in flight (a finished request is replaced by
 the next one at once) until max(--min-requests, --requests-per-slot * C) requests have finished;
@@ -66,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grpc", default=None, metavar="HOST:PORT", help="measure a running server instead")
-    p.add_argument("--token", default=None, help="bearer token for --grpc (default: $MTPSERVE_AUTH_TOKEN)")
+    p.add_argument("--http", default=None, metavar="HOST:PORT", help="measure a running server's OpenAI HTTP API")
+    p.add_argument("--token", default=None, help="bearer token for --grpc/--http (default: $MTPSERVE_AUTH_TOKEN)")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency="1,4", max_tokens=16, min_requests=4)
     return args
@@ -80,10 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mtpserve-spec-matrix-") as tmp:
         if args.grpc:
             drive, name, close = _grpc_target(args, max(ks))
+        elif args.http:
+            drive, name, close = _http_target(args, max(ks))
         else:
             drive, name, close = _engine_target(args, device, Path(tmp), max(concurrency), max(ks))
         prompts = workloads.get_prompts(args.prompts, max(cells.values()), args.prompt_lines)
-        where = f"server {args.grpc}" if args.grpc else f"device {common.device_name(device)}"
+        server = args.grpc or args.http
+        where = f"server {server}" if server else f"device {common.device_name(device)}"
         print(f"model {name}; {where}; requests per cell {cells}")
 
         def jobs(k: int, n: int, max_tokens: int) -> list[workloads.Job]:
@@ -117,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{run.wall:.1f} s")
         close()
 
-    notes = [f"model: {args.model or ('tiny code model trained by the script' if args.tiny else 'default model')}; "
+    model = f"the server's {name}" if server else args.model or (
+        "tiny code model trained by the script" if args.tiny else "default model")
+    notes = [f"model: {model}; "
              f"prompts: {args.prompts}",
              f"gRPC server {args.grpc} (mtpserve.cluster.client), closed loop of `conc` requests in flight"
              if args.grpc else
+             f"OpenAI HTTP API of {args.http} (openai client, streaming /v1/completions), closed loop of `conc` "
+             "requests in flight" if args.http else
              "in-process engine (LLMEngine.step driven by the script), closed loop of `conc` requests in flight",
              "TTFT/TPOT in ms, from the moment " + ("each streamed chunk arrives (the device line is this client's)"
-                                                   if args.grpc else "step() returns the tokens")
+                                                   if server else "step() returns the tokens")
              + "; percentiles interpolated over requests"]
     common.report(args, "spec_matrix", device, [table], notes)
     return 0
@@ -152,6 +163,15 @@ def _grpc_target(args: argparse.Namespace, max_k: int) -> tuple[Driver, str, Cal
     check(info.num_mtp_modules > 0 or max_k == 0, f"the server's model {info.name} has no MTP modules")
     check(max_k <= info.max_num_speculative_tokens, f"the server allows at most {info.max_num_speculative_tokens} drafts")
     return (lambda jobs, c, _prefix: workloads.drive_grpc(args.grpc, jobs, c, token)), info.name, lambda: None
+
+
+def _http_target(args: argparse.Namespace, _max_k: int) -> tuple[Driver, str, Callable[[], None]]:
+    import openai
+
+    token = args.token or os.environ.get("MTPSERVE_AUTH_TOKEN")
+    with openai.OpenAI(base_url=f"http://{args.http}/v1", api_key=token or "none", max_retries=0, timeout=30) as c:
+        name = c.models.list().data[0].id
+    return (lambda jobs, c, _prefix: workloads.drive_http(args.http, name, jobs, c, token)), name, lambda: None
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Awaitable, Callable
 
 import common  # also puts the repository root on sys.path
 import torch
@@ -251,34 +252,72 @@ def drive_grpc(address: str, jobs: list[Job], concurrency: int, token: str | Non
     Timestamps are taken when each streamed chunk arrives. Per-position acceptance is not in the
     API's usage (only accepted drafts and verify steps per request), so `spec` carries totals only.
     """
-    return asyncio.run(_drive_grpc(address, jobs, concurrency, token))
-
-
-async def _drive_grpc(address: str, jobs: list[Job], concurrency: int, token: str | None) -> Run:
     from mtpserve.cluster.client import AsyncClient
 
-    pending = deque(enumerate(jobs))
-    traces: list[Trace | None] = [None] * len(jobs)
-    spec = SpecCounters()
-    async with AsyncClient(address, token=token) as client:
-
-        async def worker() -> None:
-            while pending:  # single-threaded event loop: check-then-pop cannot race
-                i, job = pending.popleft()
-                tr = traces[i] = Trace(time.perf_counter())
+    async def run() -> Run:
+        async with AsyncClient(address, token=token) as client:
+            async def one(job: Job, tr: Trace, spec: SpecCounters) -> None:
                 async for delta in client.stream(job.prompt, job.params):
-                    now = time.perf_counter()
-                    if delta.token_ids:
-                        tr.token_times += [now] * len(delta.token_ids)
-                        tr.token_ids += delta.token_ids
-                        tr.sampled_steps += 1  # a chunk per engine step that emitted tokens
+                    _arrived(tr, delta.token_ids)
                     if delta.finish_reason is not None:
-                        tr.finished = now
+                        tr.finished = time.perf_counter()
                         if delta.usage is not None:
                             spec.num_drafts += delta.usage.steps
                             spec.num_accepted_tokens += delta.usage.accepted_draft_tokens
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)))))
-        wall = time.perf_counter() - t0
-    return Run([t for t in traces if t is not None], wall, 0, spec)
+            return await _closed_loop(jobs, concurrency, one)
+
+    return asyncio.run(run())
+
+
+def drive_http(address: str, model: str, jobs: list[Job], concurrency: int, token: str | None = None) -> Run:
+    """The closed loop of `drive`, through a running server's OpenAI HTTP API (the official `openai` client,
+    streaming /v1/completions with our extras and `return_token_ids`). Timestamps: as in drive_grpc."""
+    import openai
+
+    async def run() -> Run:
+        async with openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key=token or "none", max_retries=0,
+                                      timeout=600) as client:
+            async def one(job: Job, tr: Trace, spec: SpecCounters) -> None:
+                p = job.params
+                stream = await client.completions.create(
+                    model=model, prompt=job.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
+                    seed=p.seed, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": p.ignore_eos, "num_speculative_tokens": p.num_speculative_tokens,
+                                "return_token_ids": True})
+                async for chunk in stream:
+                    if chunk.choices:
+                        _arrived(tr, chunk.choices[0].token_ids)
+                    if chunk.usage is not None:  # the last chunk
+                        tr.finished = time.perf_counter()
+                        spec.num_drafts += chunk.usage.steps
+                        spec.num_accepted_tokens += chunk.usage.accepted_draft_tokens
+
+            return await _closed_loop(jobs, concurrency, one)
+
+    return asyncio.run(run())
+
+
+def _arrived(tr: Trace, token_ids: list[int]) -> None:
+    if token_ids:
+        tr.token_times += [time.perf_counter()] * len(token_ids)
+        tr.token_ids += token_ids
+        tr.sampled_steps += 1  # a chunk per engine step that emitted tokens
+
+
+async def _closed_loop(jobs: list[Job], concurrency: int, one: Callable[[Job, Trace, SpecCounters], Awaitable[None]]
+                       ) -> Run:
+    """Keep `concurrency` of `one(job, trace, spec)` in flight until every job ran."""
+    pending = deque(enumerate(jobs))
+    traces: list[Trace | None] = [None] * len(jobs)
+    spec = SpecCounters()
+
+    async def worker() -> None:
+        while pending:  # single-threaded event loop: check-then-pop cannot race
+            i, job = pending.popleft()
+            traces[i] = Trace(time.perf_counter())
+            await one(job, traces[i], spec)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)))))
+    return Run([t for t in traces if t is not None], time.perf_counter() - t0, 0, spec)

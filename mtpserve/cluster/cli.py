@@ -1,6 +1,6 @@
 """The `mtpserve` command: serve | generate | bench.
 
-    mtpserve serve --model ./ckpt --port 50051 --metrics-port 9400 [--config serve.yaml]
+    mtpserve serve --model ./ckpt --port 50051 --metrics-port 9400 --http-port 8080 [--config serve.yaml]
     mtpserve generate --address localhost:50051 "Once upon a time" --max-tokens 64 --temperature 0
     mtpserve generate "def fibonacci(n):"     # no --address: the default model, in this process
     mtpserve bench --address localhost:50051 --concurrency 16 --num-requests 128 --output-len 128
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # `serve` has its own parser (serve.main): its flags come from EngineConfig, whose module imports
     # torch, which the client commands should not wait for.
-    sub.add_parser("serve", add_help=False, help="serve a model over gRPC, with Prometheus metrics "
+    sub.add_parser("serve", add_help=False, help="serve a model over gRPC (and the OpenAI HTTP API with --http-port), with Prometheus metrics "
                    "(mtpserve serve --help for its flags)")
 
     p = sub.add_parser("generate", help="stream one completion to the terminal")

@@ -39,6 +39,7 @@ class ServerOptions:
     host: str = "0.0.0.0"
     port: int = 50051  # gRPC; 0 picks a free port
     metrics_port: int = 9400  # Prometheus text endpoint; 0 picks a free port, -1 turns it off
+    http_port: int = -1  # the OpenAI-compatible HTTP API; 0 picks a free port, -1 turns it off
     model_name: str | None = None  # reported by GetModelInfo; default: the checkpoint directory's name
     max_queue_size: int = 256  # requests waiting beyond max_num_seqs; more get RESOURCE_EXHAUSTED
     auth_token: str | None = None  # bearer token required on every RPC but health (or $MTPSERVE_AUTH_TOKEN)
@@ -153,10 +154,12 @@ class Replica:
         self.grpc_server: Any = None
         self.health: Any = None
         self.metrics_http: Any = None
+        self.http: Any = None
         self.watchdog: asyncio.Task | None = None
         self.servicer: Any = None
         self.port = 0
         self.metrics_port = -1
+        self.http_port = -1
 
     async def start(self) -> "Replica":
         import grpc
@@ -197,9 +200,12 @@ class Replica:
 
             self.metrics_http, _ = start_http_server(o.metrics_port, addr=o.host, registry=logger.registry)
             self.metrics_port = self.metrics_http.server_port
-        log.info("serving gRPC on %s:%d (%s%s), metrics on %s", o.host, self.port,
+        if o.http_port >= 0:
+            await self._start_http(servicer, token)
+        log.info("serving gRPC on %s:%d (%s%s), metrics on %s, OpenAI HTTP API on %s", o.host, self.port,
                  "TLS" if o.tls_cert_file else "plaintext", ", bearer auth" if token else "",
-                 f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off")
+                 f"http://{o.host}:{self.metrics_port}/metrics" if self.metrics_http else "off",
+                 f"http://{o.host}:{self.http_port}/v1" if self.http else "off")
         return self
 
     async def _set_health(self, serving: bool) -> None:
@@ -210,6 +216,17 @@ class Replica:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name):
             await self.health.set(service, status)
+
+    async def _start_http(self, servicer: Any, token: str | None) -> None:
+        """The OpenAI-compatible API on the same engine loop, admission limit, metrics and token as gRPC."""
+        from mtpserve.cluster.chat_template import ChatTemplate
+        from mtpserve.cluster.http_server import HttpServer, OpenAIServer
+
+        o, r = self.options, self.engine.resolved
+        state = OpenAIServer(servicer, servicer.info.name, self.engine.tokenizer,
+                             ChatTemplate.from_checkpoint(r.model_path), r.max_model_len, token)
+        self.http = HttpServer(state, o.host, o.http_port, "warning")
+        self.http_port = await self.http.start()
 
     async def _watch_engine(self, services: list[str], period: float = 1.0) -> None:
         """Health turns NOT_SERVING if the engine thread ends, so load balancers and probes stop routing here."""
@@ -242,8 +259,9 @@ class Replica:
             self.watchdog.cancel()
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace)  # then cancels what is left: those streams abort their requests
+        # Both APIs drain together, then cancel what is left: those streams abort their requests.
+        await asyncio.gather(*([self.grpc_server.stop(grace)] if self.grpc_server is not None else []),
+                             *([self.http.stop(grace)] if self.http is not None else []))
         if self.engine_loop is not None:
             await asyncio.to_thread(self.engine_loop.stop)
         if self.metrics_http is not None:
@@ -275,6 +293,10 @@ class ServerThread:
     def metrics_port(self) -> int:
         return self.replica.metrics_port
 
+    @property
+    def http_port(self) -> int:
+        return self.replica.http_port
+
     def healthy(self) -> bool:
         """False once the engine stopped or gave up after worker faults (not while it recovers: a
         supervisor restarting the replica then would only lose the requests it is resuming)."""
@@ -298,15 +320,20 @@ class ServerThread:
 class RayServeReplica:
     """The body of the Ray Serve deployment that a KubeRay RayService runs (deploy/kuberay/rayservice.yaml).
 
-    Ray Serve only supervises here: it places the replica, restarts it when check_health fails and
-    rolls it on upgrades. Requests do not pass through Serve's proxies; the replica serves its own gRPC
-    and metrics ports, as `python -m mtpserve.cluster.serve` does.
+    Ray Serve only supervises here: it places the replicas, replaces one whose process dies or whose
+    check_health fails, and rolls them on upgrades. Requests do not pass through Serve's proxies; each
+    replica serves its own gRPC, OpenAI HTTP and metrics ports, as `python -m mtpserve.cluster.serve` does
+    (`endpoints()` tells which, for replicas that picked free ports).
     """
 
     def __init__(self, config: str | None = None, **overrides: Any) -> None:
         engine_config, options = load_config(Path(config) if config else None, overrides)
         setup_logging(options.log_level)
         self.server = ServerThread(load_engine(engine_config), options, start_timeout=600.0)
+
+    def endpoints(self) -> dict[str, int]:
+        return {"pid": os.getpid(), "grpc_port": self.server.port, "http_port": self.server.http_port,
+                "metrics_port": self.server.metrics_port}
 
     def check_health(self) -> None:
         if not self.server.healthy():
@@ -320,14 +347,18 @@ class RayServeReplica:
             self.shutdown()
 
 
+def ray_serve_deployment() -> Any:
+    """The Serve deployment of RayServeReplica (`.options(num_replicas=...)` to change its settings)."""
+    from ray import serve  # needs ray[serve]; only RayService deployments use it
+
+    return serve.deployment(name="mtpserve", num_replicas=1, health_check_period_s=10, health_check_timeout_s=30,
+                            graceful_shutdown_timeout_s=30)(RayServeReplica)
+
+
 def build_ray_serve_app(args: dict[str, Any]) -> Any:
     """Ray Serve application builder (`import_path: mtpserve.cluster.serve:build_ray_serve_app`); args are
     `config` (a YAML path) plus any config keys, which override the file's."""
-    from ray import serve  # needs ray[serve]; only RayService deployments use it
-
-    deployment = serve.deployment(name="mtpserve", num_replicas=1, health_check_period_s=10,
-                                  health_check_timeout_s=30, graceful_shutdown_timeout_s=30)(RayServeReplica)
-    return deployment.bind(**dict(args))
+    return ray_serve_deployment().bind(**dict(args))
 
 
 # -- the process ------------------------------------------------------------------------------------

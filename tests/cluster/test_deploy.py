@@ -63,7 +63,7 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 @pytest.mark.parametrize("config", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.name)
 def test_deploy_serve_configs_load(config: Path) -> None:
     engine, server = load_config(config, {})
-    assert server.port == 50051 and server.metrics_port == 9400
+    assert server.port == 50051 and server.metrics_port == 9400 and server.http_port == 8080
 
 
 def test_kuberay_manifests_run_the_serve_entrypoint() -> None:
@@ -81,11 +81,13 @@ def test_kuberay_manifests_run_the_serve_entrypoint() -> None:
     for manifest in (job["spec"]["rayClusterSpec"], service["spec"]["rayClusterConfig"]):
         head = manifest["headGroupSpec"]["template"]
         assert head["metadata"]["annotations"]["prometheus.io/port"] == "9400"
-        assert {p["containerPort"] for p in head["spec"]["containers"][0]["ports"]} >= {50051, 9400}
+        assert {p["containerPort"] for p in head["spec"]["containers"][0]["ports"]} >= {50051, 8080, 9400}
+    for service_ports in (job_service["spec"]["ports"], svc["spec"]["ports"]):
+        assert {p["port"] for p in service_ports} == {50051, 8080, 9400}
 
 
 def test_ray_serve_replica_body(trained_ckpt: Path, tmp_path: Path) -> None:
-    """What the RayService deployment runs, without Ray Serve (not a dependency): load, serve, health."""
+    """What the RayService deployment runs, without Ray Serve (test_ray_serve.py runs it under Serve): load, serve, health."""
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"model": str(trained_ckpt), "num_kv_blocks": 64, "host": "127.0.0.1"}))
     replica = RayServeReplica(str(config), port=0, metrics_port=-1)
