@@ -108,7 +108,7 @@ def test_bench_reports_throughput_latency_and_acceptance(server: ServerThread) -
         assert row in table.stdout
     failing = run_cli("bench", "--address", f"127.0.0.1:{server.port}", "--num-requests", "2", "--temperature", "-1")
     assert failing.returncode == 1 and "requests (failed)  2 (2)" in failing.stdout
-    assert "error: temperature: must be >= 0" in failing.stderr
+    assert "error: temperature: must be finite and >= 0" in failing.stderr
 
 
 # -- serve ----------------------------------------------------------------------------------------
