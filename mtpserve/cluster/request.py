@@ -33,6 +33,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    block_hashes: list[list[bytes]] = field(default_factory=list)  # per KV group: prefix-cache hash chain
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -21,6 +21,9 @@ class NewRequest:
     num_spec: int  # draft tokens per step for this request
     seed: int
     block_ids: list[list[int]]  # per KV group: target, then MTP module 0, 1, ...
+    # Per KV group: positions whose KV the blocks above already hold (a prefix-cache hit); the same
+    # for every group the request uses (mtpserve/cluster/block_manager.py says why), 0 for the others.
+    num_computed: list[int] = field(default_factory=list)
 
 
 @dataclass
