@@ -27,6 +27,7 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, least recently freed first
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -45,6 +46,7 @@ class BlockPool:
             else:  # evict the least recently freed cached block
                 block, _ = self._lru.popitem(last=False)
                 del self._block_of[self._hash_of.pop(block)]
+                self.num_evictions += 1
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -104,8 +106,9 @@ class KVBlockManager:
         self.tables: dict[str, list[list[int]]] = {}
         self._offered: dict[str, list[int]] = {}  # per request, per group: leading blocks already offered
         self._next_offer: dict[str, int] = {}  # num_computed at which some group may have a new full block
-        # Prefix-cache counters per group since the last take_counts(): tokens queried, tokens served.
+        # Prefix-cache counters per group (cumulative): tokens of admitted requests queried, tokens served.
         self.queries, self.hits = [0] * num_groups, [0] * num_groups
+        self._reported = ([0] * num_groups, [0] * num_groups)
 
     def _missing(self, req_id: str, slots: list[int]) -> list[int]:
         table = self.tables.get(req_id) or [[] for _ in self.pools]
@@ -164,9 +167,8 @@ class KVBlockManager:
 
     def take_counts(self) -> tuple[list[int], list[int]]:
         """(queries, hits) per group since the last call."""
-        counts = self.queries, self.hits
-        self.queries, self.hits = [0] * len(self.pools), [0] * len(self.pools)
-        return counts
+        (queries, hits), self._reported = self._reported, (list(self.queries), list(self.hits))
+        return [a - b for a, b in zip(self.queries, queries)], [a - b for a, b in zip(self.hits, hits)]
 
     def offer_committed(self, req_id: str, token_ids: list[int], num_computed: int, hashes: list[list[bytes]],
                         groups: tuple[int, ...]) -> None:
