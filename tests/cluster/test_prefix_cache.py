@@ -9,6 +9,7 @@ never handed out while in use, and none leak.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from mtpserve import LLM, SamplingParams
 from mtpserve.cluster.block_manager import BlockPool, KVBlockManager
 from mtpserve.cluster.prefix_cache import extend_hashes
+from mtpserve.cluster.serve import add_serve_arguments, config_from_args, load_config
 from tests.cluster.test_speculative_engine import _replay
 from tests.conftest import prompts_of
 from tests.reference import Reference
@@ -86,7 +88,7 @@ def test_greedy_outputs_with_cache_equal_outputs_without(partly_trained: Path) -
 def test_seeded_outputs_with_cache_equal_outputs_without(partly_trained: Path) -> None:
     """One request at a time (a seeded sample depends on how many drafts each step verifies, so the
     schedule must not depend on the batch), each prefilled in chunks of 9 tokens."""
-    engine_args = dict(num_speculative_tokens=3, block_size=BLOCK, max_num_batched_tokens=9)
+    engine_args = dict(num_speculative_tokens=3, block_size=BLOCK, max_num_batched_tokens=9, num_kv_blocks=64)
     base, *others = [request for wave in _waves(6, sampled=True) for request in wave]
     waves = [[base]] + [[request] for request in others[4:13] + others[-2:]]  # prefixes 5..13 (every residue), 29, 30
     off, _, _ = _run(partly_trained, waves, enable_prefix_caching=False, **engine_args)
@@ -105,7 +107,7 @@ def test_replay_holds_with_cache_hits(partly_trained: Path) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     chosen = others[7:13] + others[-2:]  # prefixes 8..13 (around a boundary), 29 and the full base
     done, _, hits = _run(partly_trained, [[(base, greedy)], [(p, greedy) for p in chosen]],
-                         num_speculative_tokens=3, block_size=BLOCK)
+                         num_speculative_tokens=3, block_size=BLOCK, num_kv_blocks=128)
     assert all(h > 0 for h in hits), hits
     ref = Reference(partly_trained)
     for i, prompt in enumerate([base] + chosen):
@@ -182,3 +184,12 @@ def test_a_block_is_offered_only_when_committed_and_its_lookahead_is_verified() 
     shifted: list[bytes] = []
     extend_hashes(shifted, [99] + tokens[1:], BLOCK, 1, 2)
     assert shifted[0] != hashes[1][0], "module 0's first block covers t_0 as well"
+
+
+def test_the_switch_is_a_flag_and_a_yaml_key(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert config_from_args(parser.parse_args([]))[0].enable_prefix_caching is True
+    assert config_from_args(parser.parse_args(["--no-enable-prefix-caching"]))[0].enable_prefix_caching is False
+    (tmp_path / "c.yaml").write_text("enable_prefix_caching: false\n")
+    assert load_config(tmp_path / "c.yaml", {})[0].enable_prefix_caching is False
