@@ -83,6 +83,10 @@ def test_greedy_outputs_with_cache_equal_outputs_without(partly_trained: Path) -
     assert all(h > 0 for h in hits), f"every group must be served from the cache: {hits}"
     assert llm.engine.scheduler.num_preemptions > 0
     assert {r: o.token_ids for r, o in on.items()} == {r: o.token_ids for r, o in off.items()}
+    # Async scheduling too: blocks are offered only once committed, never while a step may still write them.
+    overlapped, llm, _ = _run(partly_trained, waves, async_scheduling=True, **engine_args)
+    assert llm.engine.num_overlapped_steps > 0
+    assert {r: o.token_ids for r, o in overlapped.items()} == {r: o.token_ids for r, o in off.items()}
 
 
 def test_seeded_outputs_with_cache_equal_outputs_without(partly_trained: Path) -> None:
