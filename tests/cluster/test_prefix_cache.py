@@ -106,17 +106,18 @@ def test_seeded_outputs_with_cache_equal_outputs_without(partly_trained: Path) -
             assert unverified_steps in (0, 1), req_id  # only the last token may come without drafts
 
 
-def test_replay_holds_with_cache_hits(partly_trained: Path) -> None:
+@pytest.mark.parametrize("mode", ["depth", "recursive"])
+def test_replay_holds_with_cache_hits(partly_trained: Path, mode: str) -> None:
     base, others = _shared_prefix_prompts(7)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     chosen = others[7:13] + others[-2:]  # prefixes 8..13 (around a boundary), 29 and the full base
     done, _, hits = _run(partly_trained, [[(base, greedy)], [(p, greedy) for p in chosen]],
-                         num_speculative_tokens=3, block_size=BLOCK, num_kv_blocks=128)
+                         num_speculative_tokens=3, block_size=BLOCK, num_kv_blocks=128, mtp_chain=mode)
     assert all(h > 0 for h in hits), hits
     ref = Reference(partly_trained)
     for i, prompt in enumerate([base] + chosen):
         out = done[f"0-0" if i == 0 else f"1-{i - 1}"]
-        assert out.accepted_per_step == _replay(ref, prompt + out.token_ids, len(prompt), 3, 24, "depth")
+        assert out.accepted_per_step == _replay(ref, prompt + out.token_ids, len(prompt), 3, 24, mode)
 
 
 def test_lookahead_rule_per_group(partly_trained: Path) -> None:
