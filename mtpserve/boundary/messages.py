@@ -24,6 +24,9 @@ class NewRequest:
     # Resumed after preemption or a worker's loss: the newest verified token, left out of token_ids. The
     # prefill "samples" it (forced), so the drafts verified next equal those of an undisturbed run.
     resume_token: int | None = None
+    # Per KV group: positions whose KV the blocks above already hold (a prefix-cache hit); the same
+    # for every group the request uses (mtpserve/cluster/block_manager.py says why), 0 for the others.
+    num_computed: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -56,7 +56,8 @@ class LLMEngine:
         self.model_config = r.model_config
         self.tokenizer = Tokenizer.from_checkpoint(r.model_path)
         self.executor = executor or r.make_executor()
-        self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size)
+        self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size,
+                                     enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, r.num_mtp_modules, config.mtp_chain),
             self.blocks,
@@ -136,6 +137,7 @@ class LLMEngine:
         plan = schedule()
         stats = StepStats(schedule_seconds=time.perf_counter() - t0, num_prompt_tokens=self._prompt_tokens(plan),
                           num_preemptions=self.scheduler.num_preemptions - preemptions)
+        stats.prefix_cache_queries, stats.prefix_cache_hits = self.blocks.take_counts()
         if not (plan.req_ids or plan.freed_ids):
             return _Step(plan, stats, StepResult())
         return _Step(plan, stats, self.executor.submit(plan) if self._async else self.executor.execute(plan))

@@ -41,6 +41,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay whole uniform steps (or, with a drafter group, the target) as CUDA graphs
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
     async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA, in-process
+    enable_prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes, in every KV group
     # Ray deployment (tensor_parallel_size > 1, drafter_devices > 0 or use_ray):
     ray_address: str | None = None  # None: ray.init()'s default (RAY_ADDRESS, else a local instance)
     placement_timeout_s: float = 60.0  # waiting for the placement groups

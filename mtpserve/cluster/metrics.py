@@ -69,6 +69,10 @@ class PrometheusLogger:
                                ["finish_reason"], registry=r)
         self.preemptions = Counter("mtpserve_num_preemptions", "Requests preempted (to be recomputed).",
                                    registry=r)
+        self.prefix_queries = Counter("mtpserve_prefix_cache_queries", "Tokens of admitted requests looked "
+                                      "up in the prefix cache, per KV group.", ["group"], registry=r)
+        self.prefix_hits = Counter("mtpserve_prefix_cache_hits", "Tokens whose KV came from the prefix cache, "
+                                   "per KV group.", ["group"], registry=r)
         self.ttft = Histogram("mtpserve_time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("mtpserve_inter_token_latency_seconds", "Time per token after the first "
@@ -119,6 +123,8 @@ class PrometheusLogger:
         """Export every labelled series at 0 from the start, so dashboards and rate() see them."""
         for group in kv_group_names(self.num_mtp_modules):
             self.kv_usage.labels(group)
+            self.prefix_queries.labels(group)
+            self.prefix_hits.labels(group)
         for reason in FINISH_REASONS:
             self.success.labels(reason)
         for phase in STEP_PHASES:
@@ -139,6 +145,10 @@ class PrometheusLogger:
         self.waiting.set(stats.num_waiting)
         for group, usage in zip(kv_group_names(self.num_mtp_modules), stats.kv_usage):
             self.kv_usage.labels(group).set(usage)
+        for group, queries, hits in zip(kv_group_names(self.num_mtp_modules), stats.prefix_cache_queries,
+                                        stats.prefix_cache_hits):
+            self.prefix_queries.labels(group).inc(queries)
+            self.prefix_hits.labels(group).inc(hits)
         self.prefill_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.preemptions.inc(stats.num_preemptions)

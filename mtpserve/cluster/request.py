@@ -34,6 +34,7 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     resume_token: int | None = None  # held out of token_ids while its KV is recomputed (NewRequest.resume_token)
+    block_hashes: list[list[bytes]] = field(default_factory=list)  # per KV group: prefix-cache hash chain
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._freed: list[str] = []  # workers drop these at the next step
         self.num_preemptions = 0
+        self._groups_of_k: dict[int, tuple[int, ...]] = {}
 
     @property
     def has_unfinished(self) -> bool:
@@ -38,6 +39,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        req.block_hashes = [[] for _ in self.blocks.pools]
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -72,9 +74,15 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
+            groups = self._groups(req)
+            # A prefix-cache hit: every group the request uses starts past the cached blocks.
+            req.num_computed = self.blocks.share_cached_prefix(req.request_id, req.token_ids, req.block_hashes, groups)
             n, d = self._chunk(req, budget)
             if self.blocks.allocate(req.request_id, self._slots(req, n, d), keep_watermark=True) is None:
+                self.blocks.free(req.request_id)
+                req.num_computed = 0
                 break
+            self.blocks.count_admission(groups, len(req.token_ids), req.num_computed)
             self.waiting.popleft()
             self.running.append(req)
             req.status = Status.RUNNING
@@ -114,8 +122,10 @@ class Scheduler:
         """Advance the scheduled requests; returns (request, newly kept tokens, accepted drafts) for those
         that sampled. Requests that finished or were aborted since the plan was made are skipped."""
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
-            if req_id in self.requests:
-                self.requests[req_id].num_computed += n
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.num_computed += n
+                self._offer(req)
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
         advanced = []
         for req_id, tokens, accepted in zip(result.req_ids, result.token_ids, result.num_accepted):
@@ -136,6 +146,7 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             advanced.append((req, tokens[:kept], accepted))
+            self._offer(req)
             if req.finish_reason:
                 self.finish(req, req.finish_reason)
         return advanced
@@ -156,6 +167,20 @@ class Scheduler:
         extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)
         # A final step also drafts: module m then writes up to `extra` positions past the target's end.
         return [end] + [(end + (e if final else 0)) if e >= 0 else 0 for e in extras]
+
+    def _groups(self, req: Request) -> tuple[int, ...]:
+        """The KV groups this request uses: the target, and the modules its chain reaches."""
+        groups = self._groups_of_k.get(req.num_spec)
+        if groups is None:
+            extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)
+            groups = self._groups_of_k[req.num_spec] = (0,) + tuple(1 + m for m, e in enumerate(extras) if e >= 0)
+        return groups
+
+    def _offer(self, req: Request) -> None:
+        """Newly committed full blocks become reusable (a no-op until a block fills)."""
+        if req.status == Status.RUNNING:
+            self.blocks.offer_committed(req.request_id, req.token_ids, req.num_computed, req.block_hashes,
+                                        self._groups(req))
 
     def _grow(self, req: Request, n: int, d: int, plan: StepPlan) -> list[list[int]] | None:
         while True:
@@ -201,6 +226,7 @@ class Scheduler:
             seed=req.seed,
             block_ids=[list(b) for b in self.blocks.tables[req.request_id]],
             resume_token=req.resume_token,
+            num_computed=[req.num_computed if g in self._groups(req) else 0 for g in range(len(self.blocks.pools))],
         )
 
     @staticmethod

@@ -52,6 +52,8 @@ class StepStats:
     num_prompt_tokens: int = 0  # prompt tokens computed this step
     num_generation_tokens: int = 0  # tokens emitted this step
     num_preemptions: int = 0
+    prefix_cache_queries: list[int] = field(default_factory=list)  # per KV group: prompt tokens looked up
+    prefix_cache_hits: list[int] = field(default_factory=list)  # per KV group: tokens whose KV was reused
     schedule_seconds: float = 0.0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0

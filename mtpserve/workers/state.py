@@ -36,9 +36,12 @@ class CachedRequest:
 
     @staticmethod
     def from_new(new: NewRequest, slot: int, num_modules: int) -> "CachedRequest":
+        cached = list(new.num_computed) or [0]
+        cached += [0] * (1 + num_modules - len(cached))
         return CachedRequest(
             new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params, new.num_spec,
-            new.seed, [list(b) for b in new.block_ids], slot, mtp_computed=[0] * num_modules,
+            new.seed, [list(b) for b in new.block_ids], slot, num_computed=cached[0],
+            mtp_computed=cached[1 : 1 + num_modules],
             forced_token=new.resume_token,
         )
 

@@ -153,8 +153,9 @@ def test_engine_gauges_and_step_histograms(traffic: Traffic) -> None:
 
 def test_preemptions(ckpt: Path) -> None:
     """A KV pool too small for the batch preempts; the counter agrees with the scheduler, and recomputed
-    prompt tokens show in prefill_tokens_total but not in prompt_tokens_total."""
-    server = start(ckpt, num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)
+    prompt tokens show in prefill_tokens_total but not in prompt_tokens_total (prefix caching off: it
+    would serve most of a recomputed prompt from the blocks the request itself left cached)."""
+    server = start(ckpt, num_kv_blocks=24, block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False)
     try:
         prompts = prompts_of(VOCAB, [20, 24, 28, 31, 17, 26], seed=2)
 
@@ -170,5 +171,24 @@ def test_preemptions(ckpt: Path) -> None:
         assert value(s, "mtpserve_prompt_tokens_total") == sum(len(p) for p in prompts)
         assert value(s, "mtpserve_prefill_tokens_total") > sum(len(p) for p in prompts)
         assert value(s, "mtpserve_generation_tokens_total") == sum(len(o.token_ids) for o in outs) == 24 * 6
+    finally:
+        server.stop()
+
+
+def test_prefix_cache_counters(ckpt: Path) -> None:
+    """Queries and hits per KV group: a second request sharing 2 blocks + 3 tokens with the first is served
+    2 blocks (8 tokens) from the cache in every group; prefill_tokens_total counts only what was computed."""
+    server = start(ckpt, block_size=4)
+    try:
+        first, second = prompts_of(VOCAB, [14, 6], seed=3)
+        second = first[:11] + second
+        with Client(f"127.0.0.1:{server.port}", timeout=60) as c:
+            for prompt in (first, second):
+                c.generate(prompt, {"max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        s = parse(scrape_text(server))
+        groups = ("target", "mtp0", "mtp1", "mtp2")
+        assert series(s, "mtpserve_prefix_cache_queries_total", "group") == {g: len(first) + len(second) for g in groups}
+        assert series(s, "mtpserve_prefix_cache_hits_total", "group") == {g: 8 for g in groups}
+        assert value(s, "mtpserve_prefill_tokens_total") == len(first) + len(second) - 8
     finally:
         server.stop()

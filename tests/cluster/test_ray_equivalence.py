@@ -43,6 +43,7 @@ def test_tensor_parallel_matches_single_process(partly_trained: Path, reference:
     outs, llm = generate(partly_trained, tensor_parallel_size=2, drafter_devices=drafters, **SHORT_OF_BLOCKS)
     try:
         assert llm.engine.scheduler.num_preemptions > 0
+        assert all(h > 0 for h in llm.engine.blocks.hits), "prefix-cache hits in every group, on every rank"
         assert_same_outputs(outs, reference)
         assert llm.engine.blocks.all_free
     finally:

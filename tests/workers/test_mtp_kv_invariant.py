@@ -63,3 +63,38 @@ def test_committed_mtp_kv_equals_teacher_forced(partly_trained: Path) -> None:
                                            msg=lambda msg: f"module {m}: {msg}")
                 checked += committed
     assert checked > 50
+
+
+def _assert_pools_match(llm: LLM, req, keys: list[torch.Tensor], block_size: int) -> int:
+    """Compare every committed MTP K entry of `req` (a worker-side request) with the teacher-forced keys."""
+    runner, checked = llm.engine.executor.runner, 0
+    for m, expected in enumerate(keys):
+        committed = req.mtp_computed[m]
+        pos = torch.arange(committed)
+        slots = torch.tensor(req.block_ids[1 + m])[pos // block_size] * block_size + pos % block_size
+        pool = runner.kv.mtp[m].k.view(-1, *runner.kv.mtp[m].k.shape[2:])
+        torch.testing.assert_close(pool[slots], expected[:committed], rtol=1e-4, atol=1e-4,
+                                   msg=lambda msg: f"module {m}: {msg}")
+        checked += committed
+    return checked
+
+
+def test_mtp_kv_after_a_prefix_cache_hit_equals_teacher_forced(partly_trained: Path) -> None:
+    """A request that starts from cached blocks (in every MTP group) holds, in those blocks and in the ones
+    it computed past them, exactly the teacher-forced entries of its own sequence."""
+    llm = LLM(str(partly_trained), num_speculative_tokens=3, block_size=4, enable_prefix_caching=True)
+    runner = llm.engine.executor.runner
+    base = prompts_of(64, [27], seed=6)[0]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        first = llm.generate([base], greedy)[0]
+        first_blocks = runner.requests[first.request_id].block_ids
+        for length in (13, 14, 15, 16, 22):  # a block boundary, and 1, 2, 3 past it (module m needs m + 1)
+            prompt = base[:length] + prompts_of(64, [5], seed=length)[0]
+            out = llm.generate([prompt], greedy)[0]
+            req = runner.requests[out.request_id]
+            shared = [sum(a == b for a, b in zip(mine, theirs)) for mine, theirs in zip(req.block_ids, first_blocks)]
+            # Module 2 reuses a block only with 3 matching tokens past it; every group starts there.
+            assert min(shared) >= (length - 3) // 4 >= 2, f"prefix {length}: blocks shared per group {shared}"
+            checked = _assert_pools_match(llm, req, _teacher_forced_keys(llm, prompt + out.token_ids), 4)
+            assert checked > 3 * len(prompt)
