@@ -83,6 +83,13 @@ class BlockPool:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash
 
+    def forget_cached(self) -> None:
+        """Drop every cached hash (the KV they named is gone): unreferenced cached blocks become free."""
+        self._free.extend(self._lru)
+        self._lru.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+
     def audit(self, tables: list[list[int]]) -> list[str]:
         """Inconsistencies between the reference counts, the free lists and the given block tables."""
         uses = [0] * self.num_blocks
@@ -187,6 +194,11 @@ class KVBlockManager:
                     self.pools[g].register(table[g][b], hashes[g][b])
                 offered[g] = upto
         self._next_offer[req_id] = (min(offered[g] for g in groups) + 1) * bs
+
+    def forget_cached(self) -> None:
+        """The workers holding the pools were replaced: no cached block holds KV any more."""
+        for pool in self.pools:
+            pool.forget_cached()
 
     def free(self, req_id: str) -> None:
         self._offered.pop(req_id, None)

@@ -212,6 +212,7 @@ class Scheduler:
         for req in reversed(lost):
             self._preempt(req, StepPlan())
         self._freed = []  # the new workers never saw these ids
+        self.blocks.forget_cached()  # the prefix cache named KV that died with the workers
         return lost
 
     def _new_request(self, req: Request) -> NewRequest:

@@ -198,3 +198,22 @@ def test_the_switch_is_a_flag_and_a_yaml_key(tmp_path: Path) -> None:
     assert config_from_args(parser.parse_args(["--no-enable-prefix-caching"]))[0].enable_prefix_caching is False
     (tmp_path / "c.yaml").write_text("enable_prefix_caching: false\n")
     assert load_config(tmp_path / "c.yaml", {})[0].enable_prefix_caching is False
+
+
+def test_requeue_after_lost_workers_forgets_the_cache(partly_trained: Path) -> None:
+    """Replaced workers hold no KV: a request requeued by the recovery path is recomputed from position 0,
+    even where its blocks had been cached (reusing them would attend over the new workers' empty pools)."""
+    base, _ = _shared_prefix_prompts(seed=7)
+    llm = LLM(str(partly_trained), block_size=BLOCK, max_num_seqs=4)
+    engine = llm.engine
+    llm.generate([base], _params(3, sampled=False))  # fills every group's cache with the base prompt's blocks
+    engine.add_request("again", base, _params(3, sampled=False))
+    plan = engine.scheduler.schedule()  # admitted past the cached prefix
+    assert any(plan.new_requests[0].num_computed)
+    engine.scheduler.update(plan, engine.executor.execute(plan))
+
+    engine.scheduler.requeue_running()  # what recovery does once the executor replaced its workers
+    assert all(pool.num_cached == 0 for pool in engine.blocks.pools)
+    again = engine.scheduler.schedule()
+    assert [n.request_id for n in again.new_requests] == ["again"]
+    assert not any(again.new_requests[0].num_computed)
