@@ -43,6 +43,7 @@ class Reference:
         rope = raw.get("rope_parameters") or {}
         assert rope.get("rope_type", "default") == "default"
         self.theta = rope.get("rope_theta", raw.get("rope_theta"))
+        self.rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))  # the first dims turn
         self.embed = self.w["model.embed_tokens.weight"]
         self.head = self.w["lm_head.weight"] if "lm_head.weight" in self.w else self.embed  # tied
 
@@ -50,12 +51,12 @@ class Reference:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        d = self.head_dim
+        d = self.rotary_dim
         inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        angles = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
+        angles = positions.float()[:, None] * inv_freq[None, :]  # [S, d/2]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., : d // 2], x[..., d // 2: d]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., d:]), dim=-1)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         out = x @ self.w[name + ".weight"].T
@@ -81,9 +82,11 @@ class Reference:
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(s, self.heads * d)
         x = x + self.linear(attn, p + "self_attn.o_proj")
-        h = self.rms(x, self.w[p + "post_attention_layernorm.weight"])
-        mlp = F.silu(self.linear(h, p + "mlp.gate_proj")) * self.linear(h, p + "mlp.up_proj")
-        return x + self.linear(mlp, p + "mlp.down_proj")
+        return x + self.mlp(p + "mlp.", self.rms(x, self.w[p + "post_attention_layernorm.weight"]))
+
+    def mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP with HF names under prefix p (a subclass adds MoE blocks)."""
+        return self.linear(F.silu(self.linear(h, p + "gate_proj")) * self.linear(h, p + "up_proj"), p + "down_proj")
 
     def target(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (pre-norm hidden, post-norm hidden, logits) over the sequence."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.decoder import TargetModel
-from mtpserve.workers.models.layers import DecoderLayer
+from mtpserve.workers.models.layers import MLP, DecoderLayer
 from mtpserve.workers.models.mtp import MTPStack
 
 
@@ -40,6 +40,9 @@ class TPGroup:
 
 def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Raise ValueError naming the first model dimension that `world` ranks cannot split evenly."""
+    if cfg.moe is not None and world > 1:
+        raise ValueError(f"tensor_parallel_size: {world} ranks cannot serve {cfg.architecture} yet "
+                         "(MoE layers need expert parallelism, which is not implemented)")
     for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
                         ("intermediate_size", cfg.intermediate_size)):
         if value % world:
@@ -146,6 +149,8 @@ def _shard_layer(layer: DecoderLayer, tp: TPGroup) -> None:
     attn.qkv_proj = _column(attn.qkv_proj, torch.cat((q_rows, k_rows, v_rows)))
     attn.o_proj = RowParallelLinear(attn.o_proj, q_rows, tp)
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    if not isinstance(mlp, MLP):  # an MoE block: only a single rank reaches here (check_shardable)
+        return
     inter = mlp.gate_up_proj.out_features // 2
     units = _block(r, inter // w)
     mlp.gate_up_proj = _column(mlp.gate_up_proj, torch.cat((units, inter + units)))

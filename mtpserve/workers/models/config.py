@@ -15,7 +15,12 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "MiMoForCausalLM": {"qkv_bias": True, "qk_norm": False},  # Qwen2 body with MTP layers
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # GLM-4.5 / 4.6: q/k norm only when use_qk_norm says so; o_proj never has a bias.
+    "Glm4MoeForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+
+# Quantization methods a checkpoint may declare; every other one is refused by name.
+_SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    partial_rotary_factor: float = 1.0  # rotate only the first head_dim * factor dims of each head
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,25 @@ class MTPConfig:
     hidden_pre_norm: bool = False  # target hidden taken before the final norm
     pass_normed: bool = False  # next module receives norm_k(g) instead of g
     mask_position0: bool = True  # zero the token embedding at position 0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts (DeepSeek-V3 / GLM-4.5 style): sigmoid scores, grouped top-k, shared experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    num_shared_experts: int
+    first_dense_layers: int  # layers 0 .. first_dense_layers-1 keep the dense MLP
+    num_groups: int = 1
+    top_k_groups: int = 1
+    norm_top_k: bool = True
+    routed_scaling: float = 1.0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` (MTP blocks count on from num_layers) has the MoE block."""
+        return index >= self.first_dense_layers
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,11 @@ class ModelConfig:
     mtp: MTPConfig = field(default_factory=MTPConfig)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @staticmethod
     def from_dir(path: str | Path) -> "ModelConfig":
@@ -77,6 +107,8 @@ class ModelConfig:
         attention_bias = bool(raw.get("attention_bias", False))
         if raw.get("mlp_bias"):
             raise CheckpointError("config field 'mlp_bias': MLP biases are not supported")
+        _check_quantization(raw)
+        glm = arch == "Glm4MoeForCausalLM"
         return ModelConfig(
             architecture=arch,
             vocab_size=_required(raw, "vocab_size"),
@@ -90,12 +122,13 @@ class ModelConfig:
             max_position=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family["qkv_bias"] or attention_bias,
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
-            qk_norm=family["qk_norm"],
+            o_bias=attention_bias and arch not in ("Qwen2ForCausalLM", "Glm4MoeForCausalLM"),
+            qk_norm=family["qk_norm"] or (glm and bool(raw.get("use_qk_norm", False))),
             rope=_rope(raw),
             mtp=_mtp(raw, arch),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
+            moe=_moe(raw) if glm else None,
         )
 
     @property
@@ -135,8 +168,12 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
+    # GLM-4.5 writes partial_rotary_factor at the top level; transformers >= 5 inside rope_parameters.
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise CheckpointError(f"config field 'partial_rotary_factor': {partial} is not in (0, 1]")
     if kind == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if kind == "llama3":
         needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [key for key in needed if key not in params]
@@ -149,6 +186,7 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position=int(params["original_max_position_embeddings"]),
+            partial_rotary_factor=partial,
         )
     raise CheckpointError(f"config field 'rope_scaling': unsupported rope type {kind!r}")
 
@@ -173,3 +211,46 @@ def _mtp(raw: dict[str, Any], arch: str) -> MTPConfig:
         pass_normed=bool(raw.get("mtp_pass_normed", defaults.pass_normed)),
         mask_position0=bool(raw.get("mtp_mask_position0", defaults.mask_position0)),
     )
+
+
+def _check_quantization(raw: dict[str, Any]) -> None:
+    quant = raw.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in _SUPPORTED_QUANTIZATION:
+        supported = ", ".join(_SUPPORTED_QUANTIZATION) or "none"
+        raise CheckpointError(
+            f"config field 'quantization_config': quantization method {method!r} is not supported (supported: {supported})"
+        )
+
+
+def _moe(raw: dict[str, Any]) -> MoEConfig:
+    topk_method = raw.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+        raise CheckpointError(f"config field 'topk_method': {topk_method!r} is not supported (only 'noaux_tc')")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(f"config field 'scoring_func': {raw['scoring_func']!r} is not supported (only 'sigmoid')")
+    moe = MoEConfig(
+        num_experts=_required(raw, "n_routed_experts"),
+        top_k=_required(raw, "num_experts_per_tok"),
+        intermediate_size=_required(raw, "moe_intermediate_size"),
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_dense_layers=int(raw.get("first_k_dense_replace") or 0),
+        num_groups=int(raw.get("n_group") or 1),
+        top_k_groups=int(raw.get("topk_group") or 1),
+        norm_top_k=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
+    )
+    if moe.num_experts % moe.num_groups:
+        raise CheckpointError(f"config field 'n_group': {moe.num_groups} does not divide n_routed_experts ({moe.num_experts})")
+    if not 0 < moe.top_k_groups <= moe.num_groups:
+        raise CheckpointError(f"config field 'topk_group': {moe.top_k_groups} is not in 1..n_group ({moe.num_groups})")
+    per_group = moe.num_experts // moe.num_groups
+    if moe.num_groups > 1 and per_group < 2:
+        raise CheckpointError("config field 'n_group': each expert group needs at least 2 experts (groups are scored by their top 2)")
+    if not 0 < moe.top_k <= moe.top_k_groups * per_group:
+        raise CheckpointError(
+            f"config field 'num_experts_per_tok': {moe.top_k} experts cannot be chosen from {moe.top_k_groups} groups of {per_group}"
+        )
+    return moe

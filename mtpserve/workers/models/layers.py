@@ -48,7 +48,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half (NeoX) RoPE with a precomputed cos/sin table indexed by absolute position.
+
+    `head_dim` is the rotated width: with partial rotary (GLM-4.5) only the first `head_dim` dims of a
+    wider head turn, the rest pass through unchanged."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -67,12 +70,13 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(freqs.sin())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D], positions: [T] -> rotated x."""
+        """x: [T, heads, D >= head_dim], positions: [T] -> x with its first head_dim dims rotated."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        rot, rest = x[..., : self.head_dim], x[..., self.head_dim :]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
 class Attention(nn.Module):
@@ -101,10 +105,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -112,12 +117,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
+        """`index` is the layer's place in the checkpoint (an MTP block counts on from num_layers): it
+        decides between the dense MLP and the MoE block."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)
+        if cfg.moe is not None and cfg.moe.is_moe_layer(index):
+            from mtpserve.workers.models.moe import MoE  # moe.py builds its shared experts from MLP
+
+            self.mlp = MoE(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv)

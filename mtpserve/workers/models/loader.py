@@ -159,6 +159,8 @@ def _copy_weights(
         with safe_open(path / name, framework="pt") as f:
             for spec in file_specs:
                 dst = params[spec.param]
+                if spec.index is not None:
+                    dst = dst[spec.index]
                 if spec.row_offset is not None:
                     dst = dst.narrow(0, spec.row_offset, spec.shape[0])
                 dst.copy_(f.get_tensor(spec.ckpt_name))
