@@ -1,4 +1,5 @@
-"""Tiny GLM-4.5-style (Glm4MoeForCausalLM) checkpoints for tests, built with transformers itself.
+"""Tiny GLM-4.5-style (Glm4MoeForCausalLM) and DeepSeek-V3-style (DeepseekV3ForCausalLM) checkpoints for
+tests, built with transformers itself.
 
 Not a test module. MTP layers are added by their checkpoint names in the DeepSeek layout, written here
 independently of mtpserve's weight_names.py: `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.norm}`
@@ -24,13 +25,19 @@ from tests.checkpoints import (
     DEEPSEEK_MTP_PARTS, _quiet_transformers, _random_like, read_tensors, write_tensors, write_tokenizer,
 )
 
-BASE: dict[str, Any] = dict(
-    vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-    n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.0,
-    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False, max_position_embeddings=512,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+_COMMON: dict[str, Any] = dict(
+    vocab_size=97, hidden_size=64, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=24,
+    n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+    norm_topk_prob=True, routed_scaling_factor=1.0, max_position_embeddings=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
+BASE: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+                     attention_bias=True, use_qk_norm=False),
+    "deepseek_v3": dict(_COMMON, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
+}
+_CLASSES = {"glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 DAMPING = 0.5  # residual branches shrink so the token embedding dominates the hidden state
 HEAD_MIX = 0.15  # weight of the permuted embedding added to the random head
@@ -44,16 +51,18 @@ def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator, predictable: 
     return DAMPING * t if predictable and name.endswith(_DAMPED) else t
 
 
-def make_glm4_moe_checkpoint(path: str | Path, num_mtp: int = 0, seed: int = 0, *, predictable: bool = False,
-                             tokenizer: bool = False, **overrides: Any) -> Path:
-    """Build a tiny random Glm4MoeForCausalLM (BASE updated with `overrides`), save it at `path`."""
+def make_moe_checkpoint(path: str | Path, family: str = "glm4_moe", num_mtp: int = 0, seed: int = 0, *,
+                        predictable: bool = False, tokenizer: bool = False, **overrides: Any) -> Path:
+    """Build a tiny random model of `family` ("glm4_moe" or "deepseek_v3"; BASE[family] updated with
+    `overrides`, e.g. rope_scaling=... for YaRN) and save it at `path`."""
     import transformers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {**BASE, **overrides}
+    kwargs = {**BASE[family], **overrides}
     _quiet_transformers()
-    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**kwargs)).to(torch.float32)
+    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[family])
+    model = model_cls(config_cls(**kwargs)).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     model.save_pretrained(path)  # for the released tensor names and config.json; the weights are redrawn
     saved = read_tensors(path)

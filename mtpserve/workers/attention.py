@@ -47,3 +47,20 @@ def attend(
         q, kv.k, kv.v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.max_query_len, meta.max_seq_len, scale,
     )
+
+
+def attend_latent(q: torch.Tensor, entry: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+                  value_dim: int) -> torch.Tensor:
+    """Multi-head latent attention over a one-"head" pool: write this step's entries ([T, 1, E]) once, then
+    attend with q ([T, H, E]) against every entry as the key and its first `value_dim` dims as the value
+    -> [T, H, value_dim]. kv.k is kv.v: the same pool serves as both.
+
+    The plain-torch reference runs on every device for now (the Triton paged kernel takes GQA heads
+    of power-of-two width, not E = kv_lora_rank + rope dims)."""
+    keep = meta.slot_mapping >= 0
+    kv.k.view(-1, *kv.k.shape[2:]).index_copy_(0, meta.slot_mapping[keep], entry[keep].to(kv.k.dtype))
+    out = paged_attention_ref(
+        q, kv.k, kv.k, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.max_query_len, meta.max_seq_len, scale,
+    )
+    return out[..., :value_dim]

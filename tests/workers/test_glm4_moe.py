@@ -20,7 +20,7 @@ from mtpserve.workers.models.loader import load_model
 from mtpserve.workers.models.moe import MoE
 from mtpserve.workers.tensor_parallel import check_shardable
 from tests.checkpoints import load_hf_model, read_config
-from tests.moe_checkpoints import make_glm4_moe_checkpoint
+from tests.moe_checkpoints import make_moe_checkpoint
 from tests.moe_reference import MoEReference
 from tests.reference import DEEPSEEK
 from tests.workers.test_models import (  # noqa: F401  (collected here with this module's `models`)
@@ -52,7 +52,7 @@ _BUILT: dict[str, tuple] = {}
 
 def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     if name not in _BUILT:
-        path = make_glm4_moe_checkpoint(tmp_path_factory.mktemp(name), num_mtp=NUM_MTP, **CONFIGS[name])
+        path = make_moe_checkpoint(tmp_path_factory.mktemp(name), "glm4_moe", num_mtp=NUM_MTP, **CONFIGS[name])
         _BUILT[name] = (path, load_model(path, torch.float32, "cpu"))
     return _BUILT[name]
 

@@ -17,7 +17,10 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     # GLM-4.5 / 4.6: q/k norm only when use_qk_norm says so; o_proj never has a bias.
     "Glm4MoeForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    # DeepSeek-V3 / R1: multi-head latent attention; attention_bias covers q_a, kv_a and o.
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+_MOE_FAMILIES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 # Quantization methods a checkpoint may declare; every other one is refused by name.
 _SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
@@ -26,12 +29,18 @@ _SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # "default" or "llama3"
+    kind: str = "default"  # "default", "llama3" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     partial_rotary_factor: float = 1.0  # rotate only the first head_dim * factor dims of each head
+    # YaRN (DeepSeek-V3): the ramp between extrapolated and interpolated frequencies, and the mscales.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # cos/sin multiplier; derived from the mscales when None
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,23 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from a per-token latent."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the rope dims are (x0, x1), (x2, x3), ... pairs
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's KV entry: the normalised latent, then the rotated shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -86,6 +112,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # when set: head_dim is the rope width and the KV pool has one "head"
 
     @property
     def rotary_dim(self) -> int:
@@ -109,6 +136,7 @@ class ModelConfig:
             raise CheckpointError("config field 'mlp_bias': MLP biases are not supported")
         _check_quantization(raw)
         glm = arch == "Glm4MoeForCausalLM"
+        mla = _mla(raw) if arch == "DeepseekV3ForCausalLM" else None
         return ModelConfig(
             architecture=arch,
             vocab_size=_required(raw, "vocab_size"),
@@ -116,8 +144,8 @@ class ModelConfig:
             intermediate_size=_required(raw, "intermediate_size"),
             num_layers=_required(raw, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden // num_heads,
+            num_kv_heads=1 if mla else raw.get("num_key_value_heads") or num_heads,
+            head_dim=mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // num_heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -128,12 +156,15 @@ class ModelConfig:
             mtp=_mtp(raw, arch),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
-            moe=_moe(raw) if glm else None,
+            moe=_moe(raw) if arch in _MOE_FAMILIES else None,
+            mla=mla,
         )
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token per layer at one byte per element (multiply by dtype size)."""
+        if self.mla is not None:
+            return self.mla.latent_dim  # one entry serves as key and (its latent part) as value
         return 2 * self.num_kv_heads * self.head_dim
 
 
@@ -188,6 +219,8 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
             original_max_position=int(params["original_max_position_embeddings"]),
             partial_rotary_factor=partial,
         )
+    if kind == "yarn":
+        return _yarn(params, theta, partial)
     raise CheckpointError(f"config field 'rope_scaling': unsupported rope type {kind!r}")
 
 
@@ -254,3 +287,34 @@ def _moe(raw: dict[str, Any]) -> MoEConfig:
             f"config field 'num_experts_per_tok': {moe.top_k} experts cannot be chosen from {moe.top_k_groups} groups of {per_group}"
         )
     return moe
+
+
+def _yarn(params: dict[str, Any], theta: float, partial: float) -> RopeConfig:
+    missing = [key for key in ("factor", "original_max_position_embeddings") if key not in params]
+    if missing:
+        raise CheckpointError(f"config field 'rope_scaling': yarn rope needs {missing}")
+    factor = params.get("attention_factor")
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        factor=float(params["factor"]),
+        original_max_position=int(params["original_max_position_embeddings"]),
+        partial_rotary_factor=partial,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if factor is None else float(factor),
+    )
+
+
+def _mla(raw: dict[str, Any]) -> MLAConfig:
+    q_lora = raw.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=_required(raw, "kv_lora_rank"),
+        qk_nope_head_dim=_required(raw, "qk_nope_head_dim"),
+        qk_rope_head_dim=_required(raw, "qk_rope_head_dim"),
+        v_head_dim=_required(raw, "v_head_dim"),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )

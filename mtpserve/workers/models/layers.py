@@ -30,8 +30,39 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The multiplier YaRN puts on cos and sin (1 for the other rope types)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by `factor`), those turning more than beta_fast times kept, with a linear ramp between."""
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(dim_of(rope.beta_fast)), 0)
+    high = min(math.ceil(dim_of(rope.beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq).float()
     if rope.kind == "llama3":
         # Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
         # and the band between is interpolated smoothly.
@@ -66,8 +97,9 @@ class RotaryEmbedding(nn.Module):
         """Fill the cos/sin tables (again after the module was built on the meta device)."""
         inv_freq = rope_inv_freq(self.rope, self.head_dim).to(self.cos.device)
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device=self.cos.device), inv_freq)
-        self.cos.copy_(freqs.cos())
-        self.sin.copy_(freqs.sin())
+        scale = rope_attention_factor(self.rope)
+        self.cos.copy_(freqs.cos() * scale)
+        self.sin.copy_(freqs.sin() * scale)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D >= head_dim], positions: [T] -> x with its first head_dim dims rotated."""
@@ -122,7 +154,11 @@ class DecoderLayer(nn.Module):
         decides between the dense MLP and the MoE block."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn: nn.Module = Attention(cfg, rotary)
+        if cfg.mla is not None:
+            from mtpserve.workers.models.mla import MLAttention  # mla.py builds on this module's parts
+
+            self.self_attn = MLAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = MLP(cfg)
         if cfg.moe is not None and cfg.moe.is_moe_layer(index):

@@ -51,17 +51,23 @@ def _moe(cfg: ModelConfig, src: str, dst: str) -> list[WeightSpec]:
 def _block(cfg: ModelConfig, src: str, dst: str, index: int) -> list[WeightSpec]:
     """A decoder block's tensors: HF names under prefix `src`, ours under prefix `dst`; `index` is the
     block's layer number in the checkpoint (it decides dense MLP or MoE)."""
-    hidden, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    hidden = cfg.hidden_size
     specs = [
         WeightSpec(f"{src}input_layernorm.weight", f"{dst}input_layernorm.weight", (hidden,)),
         WeightSpec(f"{src}post_attention_layernorm.weight", f"{dst}post_attention_layernorm.weight", (hidden,)),
-        WeightSpec(f"{src}self_attn.o_proj.weight", f"{dst}self_attn.o_proj.weight", (hidden, q)),
     ]
+    specs += _mla(cfg, src + "self_attn.", dst + "self_attn.") if cfg.mla else _gqa(cfg, src, dst)
     if cfg.moe is not None and cfg.moe.is_moe_layer(index):
         specs += _moe(cfg, src, dst)
     else:
         specs += _mlp(f"{src}mlp.", f"{dst}mlp.", hidden, cfg.intermediate_size)
+    return specs
+
+
+def _gqa(cfg: ModelConfig, src: str, dst: str) -> list[WeightSpec]:
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    specs = [WeightSpec(f"{src}self_attn.o_proj.weight", f"{dst}self_attn.o_proj.weight", (hidden, q))]
     for name, offset, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
         specs.append(WeightSpec(f"{src}self_attn.{name}_proj.weight", f"{dst}self_attn.qkv_proj.weight", (rows, hidden), offset))
         if cfg.qkv_bias:
@@ -72,6 +78,32 @@ def _block(cfg: ModelConfig, src: str, dst: str, index: int) -> list[WeightSpec]
         specs.append(WeightSpec(f"{src}self_attn.q_norm.weight", f"{dst}self_attn.q_norm.weight", (d,)))
         specs.append(WeightSpec(f"{src}self_attn.k_norm.weight", f"{dst}self_attn.k_norm.weight", (d,)))
     return specs
+
+
+def _mla(cfg: ModelConfig, src: str, dst: str) -> list[WeightSpec]:
+    """Multi-head latent attention: the tensors keep their checkpoint names (prefix self_attn.)."""
+    mla, hidden, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+    assert mla is not None
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "kv_a_proj_with_mqa.weight": (mla.latent_dim, hidden),
+        "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "o_proj.weight": (hidden, heads * mla.v_head_dim),
+    }
+    if mla.q_lora_rank is None:
+        shapes["q_proj.weight"] = (heads * qk, hidden)
+    else:
+        shapes["q_a_proj.weight"] = (mla.q_lora_rank, hidden)
+        shapes["q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        shapes["q_b_proj.weight"] = (heads * qk, mla.q_lora_rank)
+    if cfg.qkv_bias:
+        shapes["kv_a_proj_with_mqa.bias"] = (mla.latent_dim,)
+        if mla.q_lora_rank is not None:
+            shapes["q_a_proj.bias"] = (mla.q_lora_rank,)
+    if cfg.o_bias:
+        shapes["o_proj.bias"] = (hidden,)
+    return [WeightSpec(src + name, dst + name, shape) for name, shape in shapes.items()]
 
 
 def target_specs(cfg: ModelConfig) -> list[WeightSpec]:
