@@ -23,7 +23,15 @@ _FAMILIES: dict[str, dict[str, bool]] = {
 _MOE_FAMILIES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 # Quantization methods a checkpoint may declare; every other one is refused by name.
-_SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+_SUPPORTED_QUANTIZATION = ("fp8",)
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    """DeepSeek-V3-style block-scaled FP8 weights: a quantised `X.weight` (float8_e4m3fn) comes with
+    `X.weight_scale_inv`, one fp32 scale per block of `block` = (rows, cols); weight = fp8 * scale."""
+
+    block: tuple[int, int] = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # when set: head_dim is the rope width and the KV pool has one "head"
+    fp8: FP8Config | None = None  # quantised tensors are those the checkpoint gives a weight_scale_inv
 
     @property
     def rotary_dim(self) -> int:
@@ -134,7 +143,6 @@ class ModelConfig:
         attention_bias = bool(raw.get("attention_bias", False))
         if raw.get("mlp_bias"):
             raise CheckpointError("config field 'mlp_bias': MLP biases are not supported")
-        _check_quantization(raw)
         glm = arch == "Glm4MoeForCausalLM"
         mla = _mla(raw) if arch == "DeepseekV3ForCausalLM" else None
         return ModelConfig(
@@ -158,6 +166,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             moe=_moe(raw) if arch in _MOE_FAMILIES else None,
             mla=mla,
+            fp8=_quantization(raw),
         )
 
     @property
@@ -246,16 +255,23 @@ def _mtp(raw: dict[str, Any], arch: str) -> MTPConfig:
     )
 
 
-def _check_quantization(raw: dict[str, Any]) -> None:
+def _quantization(raw: dict[str, Any]) -> FP8Config | None:
     quant = raw.get("quantization_config")
     if not quant:
-        return
+        return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method not in _SUPPORTED_QUANTIZATION:
-        supported = ", ".join(_SUPPORTED_QUANTIZATION) or "none"
-        raise CheckpointError(
-            f"config field 'quantization_config': quantization method {method!r} is not supported (supported: {supported})"
-        )
+        raise CheckpointError(f"config field 'quantization_config': quantization method {method!r} is not supported "
+                              f"(supported: {', '.join(_SUPPORTED_QUANTIZATION)} with weight_block_size)")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"config field 'quantization_config': fp8 activation_scheme "
+                              f"{quant['activation_scheme']!r} is not supported (only 'dynamic')")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"config field 'quantization_config': fp8 fmt {quant['fmt']!r} is not supported (only 'e4m3')")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"config field 'quantization_config': fp8 needs weight_block_size [rows, cols], got {block!r}")
+    return FP8Config(block=(block[0], block[1]))
 
 
 def _moe(raw: dict[str, Any]) -> MoEConfig:
