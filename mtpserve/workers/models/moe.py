@@ -12,6 +12,8 @@ Shared experts are a dense SwiGLU MLP added to every token.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,10 +64,12 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // top_k  # the token of each expert-sorted row
-        counts = torch.bincount(flat, minlength=num_experts)
+        # index_add, not bincount: bincount reads the largest id back to the host on CUDA.
+        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
         offsets = F.pad(torch.cumsum(counts, 0), (1, 0))
-        gate, up = grouped_gemm_ref(x[token], self.gate_up_proj, offsets).chunk(2, dim=-1)
-        out = grouped_gemm_ref(F.silu(gate) * up, self.down_proj, offsets)
+        gemm = _grouped_gemm(x)
+        gate, up = gemm(x[token], self.gate_up_proj, offsets).chunk(2, dim=-1)
+        out = gemm(F.silu(gate) * up, self.down_proj, offsets)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)
 
@@ -84,3 +88,12 @@ class MoE(nn.Module):
         out = self.experts(x, *self.gate(x))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
+
+
+def _grouped_gemm(x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The Triton grouped GEMM on CUDA (no host sync), its plain-torch reference elsewhere."""
+    if x.is_cuda:
+        from mtpserve.kernels.grouped_gemm import grouped_gemm
+
+        return grouped_gemm
+    return grouped_gemm_ref
