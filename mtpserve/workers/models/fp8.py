@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from mtpserve.kernels.fp8_gemm_ref import dequantize_block_fp8
 from mtpserve.workers.models.config import FP8Config
 
 SCALE_SUFFIX = "_scale_inv"
@@ -56,7 +57,4 @@ def check_scales(fp8: FP8Config | None, weights: dict[str, tuple[int, ...]],
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fp8: FP8Config) -> torch.Tensor:
     """fp8 [rows, cols] and per-block scales -> fp32 [rows, cols] (each element's product, exact)."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(fp8.block[0], dim=0)[:rows]
-    scale = scale.repeat_interleave(fp8.block[1], dim=1)[:, :cols]
-    return weight.float() * scale
+    return dequantize_block_fp8(weight, scale_inv, fp8.block)
