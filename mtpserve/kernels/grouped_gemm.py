@@ -1,7 +1,8 @@
 """Triton grouped GEMM over rows sorted by expert (the routed experts of an MoE layer).
 
 Drop-in for `grouped_gemm_ref`: x [N, K] with expert e's rows at offsets[e] .. offsets[e+1]-1, weight
-[E, M, K] (nn.Linear layout per expert) -> y [N, M], y[i] = x[i] @ weight[expert(i)]^T.
+[E, M, K] (nn.Linear layout per expert) -> y [N, M], y[i] = x[i] @ weight[expert(i)]^T; rows from
+offsets[E] on (routed to another rank's experts) are zero.
 
 Each expert's rows are cut into tiles of BLOCK_N; the tiles of all experts are numbered one after the
 other (tile_starts, a prefix sum computed on the device), and program (t, m) finds its expert by
@@ -63,7 +64,7 @@ _INTERPRETED = not isinstance(_grouped_gemm_kernel, triton.runtime.jit.JITFuncti
 def grouped_gemm(
     x: torch.Tensor,  # [N, K], rows sorted by expert
     weight: torch.Tensor,  # [E, M, K]
-    offsets: torch.Tensor,  # [E + 1] int64, expert e owns rows offsets[e] .. offsets[e+1]-1
+    offsets: torch.Tensor,  # [E + 1] int64, expert e owns rows offsets[e] .. offsets[e+1]-1; offsets[E] <= N
     block_n: int = 32,
     block_m: int = 64,
     block_k: int = 32,
@@ -75,7 +76,7 @@ def grouped_gemm(
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and offsets {tuple(offsets.shape)} disagree")
     if x.stride(1) != 1 or weight.stride(2) != 1:
         raise ValueError("x and weight need a unit stride along K")
-    y = torch.empty(num_rows, m, dtype=x.dtype, device=x.device)
+    y = torch.zeros(num_rows, m, dtype=x.dtype, device=x.device)  # zeros: rows past offsets[E] stay 0
     if num_rows == 0:
         return y
     tiles = (offsets[1:] - offsets[:-1] + block_n - 1) // block_n

@@ -7,6 +7,7 @@ the ones whose outputs must be summed or gathered, Megatron style:
   heads (or by intermediate units) so the fused layouts stay valid per rank;
 * o_proj and down_proj: row-parallel, partial sums all-reduced (bias added once, after the sum);
 * token embedding: vocabulary-parallel (each rank looks up its rows, zeros elsewhere, all-reduce);
+* MoE blocks: expert-parallel (mtpserve/workers/expert_parallel.py), one all-reduce per block;
 * output head: column-parallel over the vocabulary, then all-gathered, so every rank holds the same
   full logits (bit for bit: each slice comes from exactly one rank). Sampling from them with the
   counter-based RNG gives every rank the same tokens, which keeps all ranks' bookkeeping identical.
@@ -40,9 +41,13 @@ class TPGroup:
 
 def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Raise ValueError naming the first model dimension that `world` ranks cannot split evenly."""
-    if cfg.moe is not None and world > 1:
+    if cfg.mla is not None and world > 1:
         raise ValueError(f"tensor_parallel_size: {world} ranks cannot serve {cfg.architecture} yet "
-                         "(MoE layers need expert parallelism, which is not implemented)")
+                         "(multi-head latent attention is not sharded)")
+    if cfg.moe is not None:
+        from mtpserve.workers.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(cfg.moe.num_experts, cfg.moe.num_shared_experts * cfg.moe.intermediate_size, world)
     for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
                         ("intermediate_size", cfg.intermediate_size)):
         if value % world:
@@ -149,7 +154,10 @@ def _shard_layer(layer: DecoderLayer, tp: TPGroup) -> None:
     attn.qkv_proj = _column(attn.qkv_proj, torch.cat((q_rows, k_rows, v_rows)))
     attn.o_proj = RowParallelLinear(attn.o_proj, q_rows, tp)
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
-    if not isinstance(mlp, MLP):  # an MoE block: only a single rank reaches here (check_shardable)
+    if not isinstance(mlp, MLP):  # an MoE block: its experts are split over the ranks
+        from mtpserve.workers.expert_parallel import ExpertParallelMoE  # it builds on this module
+
+        layer.mlp = ExpertParallelMoE(mlp, tp)
         return
     inter = mlp.gate_up_proj.out_features // 2
     units = _block(r, inter // w)

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from mtpserve.kernels.grouped_gemm_ref import grouped_gemm_ref
 
 
-def make_case(counts: list[int], m: int, k: int, dtype: torch.dtype, seed: int):
+def make_case(counts: list[int], m: int, k: int, dtype: torch.dtype, seed: int, left_out: int = 0):
+    """Rows grouped by `counts`, then `left_out` rows that belong to no expert here."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(counts), k, generator=gen).to(dtype)
+    x = torch.randn(sum(counts) + left_out, k, generator=gen).to(dtype)
     weight = torch.randn(len(counts), m, k, generator=gen).to(dtype)
     offsets = F.pad(torch.cumsum(torch.tensor(counts), 0), (1, 0))
     return x, weight, offsets
@@ -24,6 +25,7 @@ CASES = {
     "fp32-one-expert": dict(counts=[17], m=16, k=16, dtype=torch.float32),
     "fp32-many-small": dict(counts=[1, 2, 3, 0, 2, 1, 4, 1, 0, 3, 2, 1, 1, 1, 2, 3, 1], m=24, k=48, dtype=torch.float32),
     "bf16": dict(counts=[9, 0, 40, 7], m=64, k=96, dtype=torch.bfloat16),
+    "fp32-rows-left-out": dict(counts=[4, 0, 35], m=40, k=32, dtype=torch.float32, left_out=37),
 }
 
 
@@ -31,6 +33,11 @@ def test_reference_matches_a_loop_over_experts():
     x, weight, offsets = make_case([3, 0, 7, 1], 12, 20, torch.float32, seed=0)
     expected = torch.cat([x[offsets[e]:offsets[e + 1]] @ weight[e].T for e in range(4)])
     torch.testing.assert_close(grouped_gemm_ref(x, weight, offsets), expected, rtol=1e-6, atol=1e-6)
+    x, weight, offsets = make_case([3, 0, 7, 1], 12, 20, torch.float32, seed=0, left_out=5)
+    out = grouped_gemm_ref(x, weight, offsets)
+    expected = torch.cat([x[offsets[e]:offsets[e + 1]] @ weight[e].T for e in range(4)])
+    torch.testing.assert_close(out[:11], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[11:], torch.zeros(5, 12)), "rows past offsets[E] come out zero"
     assert grouped_gemm_ref(x[:0], weight, torch.zeros(5, dtype=torch.long)).shape == (0, 12)
 
 
@@ -44,6 +51,7 @@ def test_kernel_matches_reference(kernels, case):
     dev = kernels.device
     out = grouped_gemm(x.to(dev), weight.to(dev), offsets.to(dev)).cpu()
     assert out.dtype == x.dtype and out.shape == expected.shape
+    assert not out[int(offsets[-1]):].any(), "rows past offsets[E] come out zero"
     tol = 1e-5 if spec["dtype"] == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 

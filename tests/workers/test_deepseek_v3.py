@@ -95,3 +95,12 @@ def test_latent_pool_holds_one_entry_per_token(models):
         assert tuple(layer.k.shape) == (5, 4, 1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
     per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 2  # bf16 bytes
     assert bytes_per_block(cfg, 4, NUM_MTP, torch.bfloat16) == 4 * per_token * (cfg.num_layers + NUM_MTP)
+
+
+def test_tensor_parallel_refuses_latent_attention_by_name(models):
+    from mtpserve.workers.tensor_parallel import check_shardable
+
+    _, ours, _ = models
+    check_shardable(ours.config, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*multi-head latent attention is not sharded"):
+        check_shardable(ours.config, 2)

@@ -121,8 +121,9 @@ def test_bad_moe_configs_are_refused_by_field(tmp_path_factory):
         ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "awq", "bits": 4}})
 
 
-def test_tensor_parallel_refuses_moe_until_expert_parallelism(tmp_path_factory):
-    _, ours = _build("grouped-qknorm-scaled", tmp_path_factory)
-    check_shardable(ours.config, 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*expert parallelism"):
-        check_shardable(ours.config, 2)
+def test_tensor_parallel_checks_the_expert_split(tmp_path_factory):
+    path, ours = _build("grouped-qknorm-scaled", tmp_path_factory)
+    check_shardable(ours.config, 2)  # 8 experts, 24 shared units: expert parallel over 2 ranks
+    odd = ModelConfig.from_dict({**read_config(path), "n_routed_experts": 9, "n_group": 1, "topk_group": 1})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide this model's n_routed_experts \(9\)"):
+        check_shardable(odd, 2)

@@ -58,19 +58,25 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, inter))  # [E, H, I]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/experts [T, top_k] -> sum over each token's experts of weight * expert(x)."""
-        top_k, num_experts = experts.shape[1], self.gate_up_proj.shape[0]
-        flat = experts.reshape(-1)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """x [T, H], weights/experts [T, top_k] -> sum over each token's experts of weight * expert(x).
+
+        This module may hold a slice of the experts (expert parallelism): ids first .. first+E_local-1.
+        Pairs routed elsewhere sort after every local group, the GEMMs leave them out (zero rows) and
+        their weight is zeroed, so they add nothing."""
+        top_k, num_local = experts.shape[1], self.gate_up_proj.shape[0]
+        local = experts - first
+        inside = (local >= 0) & (local < num_local)
+        flat = torch.where(inside, local, num_local).reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // top_k  # the token of each expert-sorted row
         # index_add, not bincount: bincount reads the largest id back to the host on CUDA.
-        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-        offsets = F.pad(torch.cumsum(counts, 0), (1, 0))
+        counts = torch.zeros(num_local + 1, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+        offsets = F.pad(torch.cumsum(counts[:-1], 0), (1, 0))
         gemm = _grouped_gemm(x)
         gate, up = gemm(x[token], self.gate_up_proj, offsets).chunk(2, dim=-1)
         out = gemm(F.silu(gate) * up, self.down_proj, offsets)
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        out = out * (weights * inside).reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)
 
 
