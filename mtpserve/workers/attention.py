@@ -55,10 +55,14 @@ def attend_latent(q: torch.Tensor, entry: torch.Tensor, kv: LayerKV, meta: Atten
     attend with q ([T, H, E]) against every entry as the key and its first `value_dim` dims as the value
     -> [T, H, value_dim]. kv.k is kv.v: the same pool serves as both.
 
-    The plain-torch reference runs on every device for now (the Triton paged kernel takes GQA heads
-    of power-of-two width, not E = kv_lora_rank + rope dims)."""
-    keep = meta.slot_mapping >= 0
-    kv.k.view(-1, *kv.k.shape[2:]).index_copy_(0, meta.slot_mapping[keep], entry[keep].to(kv.k.dtype))
+    The attention itself is the plain-torch reference on every device for now (a latent-space Triton
+    kernel for E = kv_lora_rank + rope dims is not written yet)."""
+    if entry.is_cuda:  # the Triton store skips negative slots without a host sync; K and V are one pool
+        from mtpserve.kernels.store_kv import store_kv
+
+        store_kv(entry, entry, kv.k, kv.v, meta.slot_mapping)
+    else:
+        store_kv_ref(entry, entry, kv.k, kv.v, meta.slot_mapping)
     out = paged_attention_ref(
         q, kv.k, kv.k, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.max_query_len, meta.max_seq_len, scale,
