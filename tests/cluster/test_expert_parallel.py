@@ -1,6 +1,7 @@
-"""Expert parallelism: a GLM-4.5-style MoE target (and its MoE MTP layers) with tensor_parallel_size 2 on
-Ray (gloo on CPU, fp32) against the single-process engine: each rank holds half the routed experts and
-half the shared experts' units. Same request set as tests/cluster/test_ray_equivalence.py: greedy for
+"""Expert parallelism: GLM-4.5-style and DeepSeek-V3-style MoE targets (and their MoE MTP layers) with
+tensor_parallel_size 2 on Ray (gloo on CPU, fp32) against the single-process engine: each rank holds
+half the routed experts and half the shared experts' units; GQA attention splits its heads, latent
+attention its query heads (the latent pool is whole on each rank). Same request set as tests/cluster/test_ray_equivalence.py: greedy for
 k = 0..3, seeded sampling with top-p, top-k and penalties, under chunked prefill.
 """
 
@@ -18,10 +19,16 @@ from tests.moe_checkpoints import make_moe_checkpoint
 pytestmark = pytest.mark.slow  # several processes (Ray workers), each importing torch
 
 
-@pytest.fixture(scope="module")
-def moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_moe_checkpoint(tmp_path_factory.mktemp("glm_ep"), "glm4_moe", num_mtp=3, seed=7, predictable=True,
-                               tokenizer=True, n_shared_experts=2, n_group=4, topk_group=2, use_qk_norm=True)
+FAMILIES = {
+    "glm4_moe": dict(n_shared_experts=2, n_group=4, topk_group=2, use_qk_norm=True),
+    "deepseek_v3": dict(n_shared_experts=2, n_group=4, topk_group=2, q_lora_rank=None),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def moe_ckpt(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_moe_checkpoint(tmp_path_factory.mktemp(request.param), request.param, num_mtp=3, seed=7,
+                               predictable=True, tokenizer=True, **FAMILIES[request.param])
 
 
 @pytest.fixture(scope="module")

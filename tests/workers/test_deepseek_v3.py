@@ -97,10 +97,10 @@ def test_latent_pool_holds_one_entry_per_token(models):
     assert bytes_per_block(cfg, 4, NUM_MTP, torch.bfloat16) == 4 * per_token * (cfg.num_layers + NUM_MTP)
 
 
-def test_tensor_parallel_refuses_latent_attention_by_name(models):
+def test_tensor_parallel_splits_query_heads_not_the_latent(models):
     from mtpserve.workers.tensor_parallel import check_shardable
 
     _, ours, _ = models
-    check_shardable(ours.config, 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*multi-head latent attention is not sharded"):
-        check_shardable(ours.config, 2)
+    check_shardable(ours.config, 2)  # 4 query heads; the latent has one "head" and is not split
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 8 does not divide this model's num_attention_heads \(4\)"):
+        check_shardable(ours.config, 8)
