@@ -228,6 +228,16 @@ def make_kv_pool(
     return [LayerKV(100 * torch.randn(shape, generator=gen), 100 * torch.randn(shape, generator=gen)) for _ in range(num_layers)]
 
 
+def model_kv_pool(cfg: Any, num_layers: int, num_blocks: int, block_size: int, *, seed: int = 0) -> list[LayerKV]:
+    """make_kv_pool shaped for a model config: GQA K/V pools, or for latent attention (MLA) one garbage-filled
+    [NB, BS, 1, kv_lora_rank + rope] pool per layer serving as both K and V."""
+    if cfg.mla is None:
+        return make_kv_pool(num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    pools = [100 * torch.randn(num_blocks, block_size, 1, cfg.mla.latent_dim, generator=gen) for _ in range(num_layers)]
+    return [LayerKV(p, p) for p in pools]
+
+
 def shuffled_block_tables(
     num_reqs: int, blocks_per_req: int, num_blocks: int, *, seed: int = 0
 ) -> list[list[int]]:

@@ -41,8 +41,9 @@ class Reference:
         self.head_dim = raw["head_dim"]
         self.layers = raw["num_hidden_layers"]
         rope = raw.get("rope_parameters") or {}
-        assert rope.get("rope_type", "default") == "default"
+        self.rope_type = rope.get("rope_type", "default")
         self.theta = rope.get("rope_theta", raw.get("rope_theta"))
+        self.rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))  # the first dims turn
         self.embed = self.w["model.embed_tokens.weight"]
         self.head = self.w["lm_head.weight"] if "lm_head.weight" in self.w else self.embed  # tied
 
@@ -50,12 +51,13 @@ class Reference:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        d = self.head_dim
+        assert self.rope_type == "default", f"the reference implements default rope only, not {self.rope_type}"
+        d = self.rotary_dim
         inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        angles = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
+        angles = positions.float()[:, None] * inv_freq[None, :]  # [S, d/2]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., : d // 2], x[..., d // 2: d]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., d:]), dim=-1)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         out = x @ self.w[name + ".weight"].T
@@ -64,26 +66,36 @@ class Reference:
 
     def block(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """One decoder block (HF names under prefix p) over a whole sequence at positions 0..S-1."""
-        s, d = x.shape[0], self.head_dim
+        x = x + self.attention(p + "self_attn.", self.rms(x, self.w[p + "input_layernorm.weight"]))
+        return x + self.mlp(p + "mlp.", self.rms(x, self.w[p + "post_attention_layernorm.weight"]))
+
+    def attention(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        """Causal GQA attention with HF names under prefix p (a subclass adds latent attention)."""
+        s, d = h.shape[0], self.head_dim
         positions = torch.arange(s)
-        h = self.rms(x, self.w[p + "input_layernorm.weight"])
-        q = self.linear(h, p + "self_attn.q_proj").view(s, self.heads, d)
-        k = self.linear(h, p + "self_attn.k_proj").view(s, self.kv_heads, d)
-        v = self.linear(h, p + "self_attn.v_proj").view(s, self.kv_heads, d)
-        if p + "self_attn.q_norm.weight" in self.w:
-            q = self.rms(q, self.w[p + "self_attn.q_norm.weight"])
-            k = self.rms(k, self.w[p + "self_attn.k_norm.weight"])
+        q = self.linear(h, p + "q_proj").view(s, self.heads, d)
+        k = self.linear(h, p + "k_proj").view(s, self.kv_heads, d)
+        v = self.linear(h, p + "v_proj").view(s, self.kv_heads, d)
+        if p + "q_norm.weight" in self.w:
+            q = self.rms(q, self.w[p + "q_norm.weight"])
+            k = self.rms(k, self.w[p + "k_norm.weight"])
         q, k = self.rope(q, positions), self.rope(k, positions)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+        return self.linear(self.causal_attention(q, k, v, 1 / math.sqrt(d)).reshape(s, -1), p + "o_proj")
+
+    @staticmethod
+    def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q, k [S, H, Dk], v [S, H, Dv] -> [S, H, Dv]."""
+        s = q.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(s, self.heads * d)
-        x = x + self.linear(attn, p + "self_attn.o_proj")
-        h = self.rms(x, self.w[p + "post_attention_layernorm.weight"])
-        mlp = F.silu(self.linear(h, p + "mlp.gate_proj")) * self.linear(h, p + "mlp.up_proj")
-        return x + self.linear(mlp, p + "mlp.down_proj")
+        return torch.einsum("hqk,khd->qhd", probs, v)
+
+    def mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP with HF names under prefix p (a subclass adds MoE blocks)."""
+        return self.linear(F.silu(self.linear(h, p + "gate_proj")) * self.linear(h, p + "up_proj"), p + "down_proj")
 
     def target(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (pre-norm hidden, post-norm hidden, logits) over the sequence."""

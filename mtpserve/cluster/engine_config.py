@@ -143,7 +143,8 @@ def _num_blocks(config: EngineConfig, cfg: ModelConfig, path: Path, modules: int
                 dtype: torch.dtype, device: torch.device) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = bytes_per_block(cfg, config.block_size, modules, dtype) // config.tensor_parallel_size
+    shards = 1 if cfg.mla is not None else config.tensor_parallel_size  # a latent pool is whole on every rank
+    per_block = bytes_per_block(cfg, config.block_size, modules, dtype) // shards
     # Never more than every running request at full length needs (plus draft slack).
     enough = config.max_num_seqs * -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // config.block_size)
     if device.type == "cuda":

@@ -40,7 +40,7 @@ def paged_attention_ref(
 
     # Scatter the flat queries into a padded [R, Qmax, H, D] layout.
     qlens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), qlens)
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), qlens, output_size=num_tokens)
     idx_in_req = torch.arange(num_tokens, device=device) - query_start_loc[:-1].long()[req_of_token]
     q_pad = q.new_zeros(num_reqs, max_query_len, num_heads, head_dim)
     q_pad[req_of_token, idx_in_req] = q

@@ -50,6 +50,27 @@ def attend(
     )
 
 
+def attend_latent(q: torch.Tensor, entry: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+                  value_dim: int) -> torch.Tensor:
+    """Multi-head latent attention over a one-"head" pool: write this step's entries ([T, 1, E]) once, then
+    attend with q ([T, H, E]) against every entry as the key and its first `value_dim` dims as the value
+    -> [T, H, value_dim]. kv.k is kv.v: the same pool serves as both.
+
+    The attention itself is the plain-torch reference on every device for now (a latent-space Triton
+    kernel for E = kv_lora_rank + rope dims is not written yet)."""
+    if entry.is_cuda:  # the Triton store skips negative slots without a host sync; K and V are one pool
+        from mtpserve.kernels.store_kv import store_kv
+
+        store_kv(entry, entry, kv.k, kv.v, meta.slot_mapping)
+    else:
+        store_kv_ref(entry, entry, kv.k, kv.v, meta.slot_mapping)
+    out = paged_attention_ref(
+        q, kv.k, kv.k, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.max_query_len, meta.max_seq_len, scale,
+    )
+    return out[..., :value_dim]
+
+
 def _cuda_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata):
     """Split-KV while (requests x KV heads) programs would leave SMs idle (decode, verify windows);
     the one-pass kernel otherwise. Decided from host-side shapes only, so a graph keeps its choice."""

@@ -26,6 +26,7 @@ from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.drafter import Drafter, TargetRows, _Chain
+from mtpserve.workers.kv_cache import layer_pool
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.state import CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted
 
@@ -180,8 +181,7 @@ class DrafterRunner:
 
 
 def _module_pool(cfg, config, dtype: torch.dtype, device: torch.device) -> LayerKV:
-    shape = (config.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
-    return LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return layer_pool(cfg, config.num_blocks, config.block_size, dtype, device)
 
 
 def _no_pool(device: torch.device) -> LayerKV:

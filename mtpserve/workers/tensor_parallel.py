@@ -7,11 +7,13 @@ the ones whose outputs must be summed or gathered, Megatron style:
   heads (or by intermediate units) so the fused layouts stay valid per rank;
 * o_proj and down_proj: row-parallel, partial sums all-reduced (bias added once, after the sum);
 * token embedding: vocabulary-parallel (each rank looks up its rows, zeros elsewhere, all-reduce);
+* MoE blocks: expert-parallel (mtpserve/workers/expert_parallel.py), one all-reduce per block;
 * output head: column-parallel over the vocabulary, then all-gathered, so every rank holds the same
   full logits (bit for bit: each slice comes from exactly one rank). Sampling from them with the
   counter-based RNG gives every rank the same tokens, which keeps all ranks' bookkeeping identical.
 
-Attention modules get per-rank head counts, so the KV pools a rank allocates hold only its KV heads.
+Attention modules get per-rank head counts, so the KV pools a rank allocates hold only its KV heads
+(latent attention splits its query heads; every rank keeps the whole one-"head" latent pool).
 Collectives run on the tensor-parallel group: NCCL on CUDA, gloo on CPU.
 """
 
@@ -27,7 +29,7 @@ from torch import nn
 
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.decoder import TargetModel
-from mtpserve.workers.models.layers import DecoderLayer
+from mtpserve.workers.models.layers import MLP, DecoderLayer
 from mtpserve.workers.models.mtp import MTPStack
 
 
@@ -40,8 +42,13 @@ class TPGroup:
 
 def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Raise ValueError naming the first model dimension that `world` ranks cannot split evenly."""
-    for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    if cfg.moe is not None:
+        from mtpserve.workers.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(cfg.moe.num_experts, cfg.moe.num_shared_experts * cfg.moe.intermediate_size, world)
+    # Latent attention keeps its one-"head" latent whole on every rank; only query heads split.
+    kv_heads = () if cfg.mla is not None else (("num_key_value_heads", cfg.num_kv_heads),)
+    for name, value in (("num_attention_heads", cfg.num_heads), *kv_heads, ("intermediate_size", cfg.intermediate_size)):
         if value % world:
             raise ValueError(f"tensor_parallel_size: {world} does not divide this model's {name} ({value})")
 
@@ -139,17 +146,37 @@ def shard_model(target: TargetModel, mtp: MTPStack | None, tp: TPGroup,
 
 def _shard_layer(layer: DecoderLayer, tp: TPGroup) -> None:
     attn, mlp, w, r = layer.self_attn, layer.mlp, tp.world, tp.rank
-    heads, kv_heads, d = attn.num_heads // w, attn.num_kv_heads // w, attn.head_dim
-    q_rows = _block(r, heads * d)
-    k_rows = attn.num_heads * d + _block(r, kv_heads * d)
-    v_rows = (attn.num_heads + attn.num_kv_heads) * d + _block(r, kv_heads * d)
-    attn.qkv_proj = _column(attn.qkv_proj, torch.cat((q_rows, k_rows, v_rows)))
-    attn.o_proj = RowParallelLinear(attn.o_proj, q_rows, tp)
-    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    if hasattr(attn, "kv_b_proj"):
+        _shard_latent_attention(attn, tp)
+    else:
+        heads, kv_heads, d = attn.num_heads // w, attn.num_kv_heads // w, attn.head_dim
+        q_rows = _block(r, heads * d)
+        k_rows = attn.num_heads * d + _block(r, kv_heads * d)
+        v_rows = (attn.num_heads + attn.num_kv_heads) * d + _block(r, kv_heads * d)
+        attn.qkv_proj = _column(attn.qkv_proj, torch.cat((q_rows, k_rows, v_rows)))
+        attn.o_proj = RowParallelLinear(attn.o_proj, q_rows, tp)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    if not isinstance(mlp, MLP):  # an MoE block: its experts are split over the ranks
+        from mtpserve.workers.expert_parallel import ExpertParallelMoE  # it builds on this module
+
+        layer.mlp = ExpertParallelMoE(mlp, tp)
+        return
     inter = mlp.gate_up_proj.out_features // 2
     units = _block(r, inter // w)
     mlp.gate_up_proj = _column(mlp.gate_up_proj, torch.cat((units, inter + units)))
     mlp.down_proj = RowParallelLinear(mlp.down_proj, units, tp)
+
+
+def _shard_latent_attention(attn: nn.Module, tp: TPGroup) -> None:
+    """MLA by query heads: q (q_proj or q_b_proj) and kv_b_proj column-parallel per head, o_proj
+    row-parallel; the latent projections (q_a, kv_a) and the latent pool stay whole on every rank."""
+    mla, heads = attn.mla, attn.num_heads // tp.world
+    qk, kv = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    name = "q_proj" if mla.q_lora_rank is None else "q_b_proj"
+    setattr(attn, name, _column(getattr(attn, name), _block(tp.rank, heads * qk)))
+    attn.kv_b_proj = _column(attn.kv_b_proj, _block(tp.rank, heads * kv))
+    attn.o_proj = RowParallelLinear(attn.o_proj, _block(tp.rank, heads * mla.v_head_dim), tp)
+    attn.num_heads = heads
 
 
 def _head(head: nn.Linear, embedding: VocabParallelEmbedding | None, tp: TPGroup) -> VocabParallelHead:

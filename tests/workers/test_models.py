@@ -14,7 +14,7 @@ import torch
 
 from mtpserve.workers.models.layers import rope_inv_freq
 from mtpserve.workers.models.loader import load_model
-from tests.checkpoints import load_hf_model, make_batch, make_hf_checkpoint, make_kv_pool, shuffled_block_tables
+from tests.checkpoints import load_hf_model, make_batch, make_hf_checkpoint, model_kv_pool, shuffled_block_tables
 
 TOL = 1e-4
 VOCAB = 97
@@ -69,7 +69,7 @@ def _ours(ours, ids, positions, meta, kv) -> torch.Tensor:
 
 def _pool(ours, num_blocks: int, block_size: int, seed: int = 0):
     cfg = ours.config
-    return make_kv_pool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, seed=seed)
+    return model_kv_pool(cfg, cfg.num_layers, num_blocks, block_size, seed=seed)
 
 
 def _prompts(lengths: list[int], seed: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mtpserve.workers.models.loader import load_model
-from tests.checkpoints import load_hf_model, make_batch, make_hf_checkpoint, make_kv_pool, shuffled_block_tables
+from tests.checkpoints import load_hf_model, make_batch, make_hf_checkpoint, make_kv_pool, model_kv_pool, shuffled_block_tables
 from tests.reference import DEEPSEEK, MIMO, Reference, Wiring
 
 TOL = 1e-4
@@ -115,7 +115,7 @@ def _target_hidden(loaded, seqs: list[torch.Tensor], block_size: int, seed: int)
     num_blocks = len(seqs) * per_req + 2
     tables = shuffled_block_tables(len(seqs), per_req, num_blocks, seed=seed)
     ids, positions, meta = make_batch([(s.tolist(), 0, t) for s, t in zip(seqs, tables)], block_size)
-    kv = make_kv_pool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, seed=seed)
+    kv = model_kv_pool(cfg, cfg.num_layers, num_blocks, block_size, seed=seed)
     hidden = loaded.target(ids, positions, meta, kv)
     if not cfg.mtp.hidden_pre_norm:
         hidden = loaded.target.norm(hidden)
@@ -149,7 +149,7 @@ def test_mtp_flat_batch_matches_teacher_forced_reference(case):
         tables = shuffled_block_tables(len(seqs), per_req, num_blocks, seed=20 + k)
         batch = [(s[k + 1:].tolist(), 0, t) for s, t in zip(seqs, tables)]
         ids, positions, meta = make_batch(batch, block_size)
-        (kv,) = make_kv_pool(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, seed=30 + k)
+        (kv,) = model_kv_pool(cfg, 1, num_blocks, block_size, seed=30 + k)
         prev_rows = torch.cat([p[:n] for p, n in zip(prev, lens)])
         g = stack(k, ids, prev_rows, positions, meta, kv, target.embed_tokens)
         logits = stack.logits(k, g, target.lm_head)
@@ -173,7 +173,7 @@ def test_mtp_incremental_steps_match_reference(case):
         per_req = math.ceil(n / block_size)
         num_blocks = per_req + 4
         (table,) = shuffled_block_tables(1, per_req, num_blocks, seed=40 + k)
-        (kv,) = make_kv_pool(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, seed=50 + k)
+        (kv,) = model_kv_pool(cfg, 1, num_blocks, block_size, seed=50 + k)
         tokens = seq[k + 1:].tolist()
         gs, start = [], 0
         for size in [5, 1, 1, 3, 2, 1, 100]:

@@ -1,4 +1,4 @@
-"""The target model: a Llama / Qwen2 / Qwen3 decoder over flat batches with a paged KV cache."""
+"""The target model: a Llama / Qwen2 / Qwen3 / GLM-4.5 (MoE) decoder over flat batches with a paged KV cache."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ class TargetModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Slack past max_position: the drafter writes a few positions beyond the last verified one.
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position + 2 * MAX_SPECULATIVE_TOKENS)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, cfg.max_position + 2 * MAX_SPECULATIVE_TOKENS)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

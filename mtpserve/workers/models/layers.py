@@ -42,8 +42,39 @@ def _rms_norm(x: torch.Tensor):
     return rms_norm_ref
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The multiplier YaRN puts on cos and sin (1 for the other rope types)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by `factor`), those turning more than beta_fast times kept, with a linear ramp between."""
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(dim_of(rope.beta_fast)), 0)
+    high = min(math.ceil(dim_of(rope.beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq).float()
     if rope.kind == "llama3":
         # Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
         # and the band between is interpolated smoothly.
@@ -60,7 +91,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half (NeoX) RoPE with a precomputed cos/sin table indexed by absolute position.
+
+    `head_dim` is the rotated width: with partial rotary (GLM-4.5) only the first `head_dim` dims of a
+    wider head turn, the rest pass through unchanged."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -75,16 +109,18 @@ class RotaryEmbedding(nn.Module):
         """Fill the cos/sin tables (again after the module was built on the meta device)."""
         inv_freq = rope_inv_freq(self.rope, self.head_dim).to(self.cos.device)
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device=self.cos.device), inv_freq)
-        self.cos.copy_(freqs.cos())
-        self.sin.copy_(freqs.sin())
+        scale = rope_attention_factor(self.rope)
+        self.cos.copy_(freqs.cos() * scale)
+        self.sin.copy_(freqs.sin() * scale)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D], positions: [T] -> rotated x."""
+        """x: [T, heads, D >= head_dim], positions: [T] -> x with its first head_dim dims rotated."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        rot, rest = x[..., : self.head_dim], x[..., self.head_dim :]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
 class Attention(nn.Module):
@@ -113,10 +149,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -128,12 +165,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
+        """`index` is the layer's place in the checkpoint (an MTP block counts on from num_layers): it
+        decides between the dense MLP and the MoE block."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn: nn.Module = Attention(cfg, rotary)
+        if cfg.mla is not None:
+            from mtpserve.workers.models.mla import MLAttention  # mla.py builds on this module's parts
+
+            self.self_attn = MLAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)
+        if cfg.moe is not None and cfg.moe.is_moe_layer(index):
+            from mtpserve.workers.models.moe import MoE  # moe.py builds its shared experts from MLP
+
+            self.mlp = MoE(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), positions, meta, kv))

@@ -10,17 +10,20 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from mtpserve.errors import CheckpointError
-from mtpserve.workers.models.config import ModelConfig
+from mtpserve.workers.models import fp8
+from mtpserve.workers.models.config import FP8Config, ModelConfig
 from mtpserve.workers.models.decoder import TargetModel
 from mtpserve.workers.models.mtp import MTPStack
 from mtpserve.workers.models.weight_names import WeightSpec, mtp_specs, target_specs
+
+Index = dict[str, tuple[str, tuple[int, ...], str]]  # tensor name -> (file, shape, dtype name)
 
 # Tensors some exporters write that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -89,7 +92,7 @@ class CheckpointLoader:
             specs = [s for s in self.present if keep(s.param)]
         if cfg.tie_word_embeddings and (keep is None or keep("embed_tokens.weight")):
             target.lm_head.weight = target.embed_tokens.weight
-        _copy_weights(self.path, self.index, specs, {**_params(target, ""), **_params(mtp, "")})
+        _copy_weights(self.path, self.index, specs, {**_params(target, ""), **_params(mtp, "")}, cfg.fp8)
 
 
 def _materialize(params: dict[str, torch.Tensor], target: nn.Module, mtp: nn.Module, keep: Callable[[str], bool],
@@ -103,8 +106,8 @@ def _materialize(params: dict[str, torch.Tensor], target: nn.Module, mtp: nn.Mod
             setattr(owner, attr, nn.Parameter(torch.empty_like(p, device=device), requires_grad=False))
 
 
-def _tensor_index(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (file, shape), read from the safetensors headers without loading data."""
+def _tensor_index(path: Path) -> Index:
+    """Tensor name -> (file, shape, safetensors dtype name), read from the headers without loading data."""
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
@@ -112,19 +115,20 @@ def _tensor_index(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in checkpoint directory {path}")
-    index: dict[str, tuple[str, tuple[int, ...]]] = {}
+    index: Index = {}
     for name in files:
         if not (path / name).is_file():
             raise CheckpointError(f"model.safetensors.index.json names {name}, which is not in {path}")
         with safe_open(path / name, framework="pt") as f:
             for key in f.keys():
-                index[key] = (name, tuple(f.get_slice(key).get_shape()))
+                tensor = f.get_slice(key)
+                index[key] = (name, tuple(tensor.get_shape()), tensor.get_dtype())
     return index
 
 
-def _check(cfg: ModelConfig, specs: list[WeightSpec], index: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    expected = {s.ckpt_name for s in specs}
-    problems = []
+def _check(cfg: ModelConfig, specs: list[WeightSpec], index: Index) -> None:
+    scales, problems = fp8.check_scales(cfg.fp8, {s.ckpt_name: s.shape for s in specs}, index)
+    expected = {s.ckpt_name for s in specs} | scales
     for spec in specs:
         if spec.ckpt_name not in index:
             if not spec.optional:
@@ -157,9 +161,10 @@ def _params(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def _copy_weights(
     path: Path,
-    index: dict[str, tuple[str, tuple[int, ...]]],
+    index: Index,
     specs: list[WeightSpec],
     params: dict[str, torch.Tensor],
+    fp8_cfg: FP8Config | None,
 ) -> None:
     by_file: dict[str, list[WeightSpec]] = {}
     for spec in specs:
@@ -168,9 +173,25 @@ def _copy_weights(
         with safe_open(path / name, framework="pt") as f:
             for spec in file_specs:
                 dst = params[spec.param]
+                if spec.index is not None:
+                    dst = dst[spec.index]
                 if spec.row_offset is not None:
                     dst = dst.narrow(0, spec.row_offset, spec.shape[0])
-                dst.copy_(f.get_tensor(spec.ckpt_name))
+                tensor = f.get_tensor(spec.ckpt_name)
+                scale = fp8.scale_name(spec.ckpt_name)
+                if fp8_cfg is not None and scale in index:
+                    tensor = fp8.dequantize(tensor, _read(path, index, scale, name, f), fp8_cfg)
+                dst.copy_(tensor)
+
+
+def _read(path: Path, index: Index, tensor: str, open_name: str, open_file: Any) -> torch.Tensor:
+    """One tensor, from the file already open when it lives there (sharded checkpoints may split a
+    weight and its scale across files)."""
+    file = index[tensor][0]
+    if file == open_name:
+        return open_file.get_tensor(tensor)
+    with safe_open(path / file, framework="pt") as f:
+        return f.get_tensor(tensor)
 
 
 @contextmanager

@@ -16,13 +16,13 @@ from mtpserve.workers.models.layers import DecoderLayer, RMSNorm, RotaryEmbeddin
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = DecoderLayer(cfg, rotary)
+        self.block = DecoderLayer(cfg, rotary, cfg.num_layers + index)  # MoE when the target's last layers are
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         # Set by the loader only when the checkpoint carries per-module copies.
         self.embed_tokens: nn.Embedding | None = None
@@ -35,7 +35,7 @@ class MTPStack(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.cfg = cfg
-        self.mtp = nn.ModuleList(MTPModule(cfg, rotary) for _ in range(cfg.mtp.num_modules))
+        self.mtp = nn.ModuleList(MTPModule(cfg, rotary, k) for k in range(cfg.mtp.num_modules))
 
     def __len__(self) -> int:
         return len(self.mtp)
