@@ -25,8 +25,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 def add_routes(app: FastAPI, state: OpenAIServer) -> None:
     @app.get("/health")
     async def health() -> Response:
-        alive = state.servicer.engine_loop.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        """gRPC health's SERVING as 200; stopped, recovering from a worker fault, or failed as 503."""
+        loop = state.servicer.engine_loop
+        if loop.serving():
+            return JSONResponse({"status": "ok"})
+        status = loop.failure or ("recovering from a worker fault" if loop.recovering else "engine stopped")
+        return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -5,7 +5,8 @@ count against the same admission limit (the servicer's `outstanding`, touched on
 share the metrics the engine loop records and the bearer token. Endpoints: POST /v1/completions,
 POST /v1/chat/completions (server-sent events with stream = true), GET /v1/models, GET /health.
 Errors carry OpenAI's error body: 400 bad input (naming the field as gRPC's INVALID_ARGUMENT does),
-401 wrong token, 404 unknown model, 429 queue full, 503 engine stopped, 500 engine failure.
+401 wrong token, 404 unknown model, 429 queue full, 503 engine stopped, replica failed after worker faults
+or queue full while it recovers (with Retry-After), 500 engine failure.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpserve.cluster import openai_protocol as oa
 from mtpserve.cluster.chat_template import ChatTemplate
-from mtpserve.cluster.router import MAX_REQUEST_ID_LEN, Delta, EngineFailed, EngineLoop, GenerationServicer, _sink_for
+from mtpserve.cluster.router import (MAX_REQUEST_ID_LEN, RECOVERY_RETRY_MS, Delta, EngineFailed, EngineLoop,
+                                     GenerationServicer, ReplicaUnavailable, _sink_for)
 from mtpserve.errors import InvalidRequestError
 from mtpserve.sampling_params import SamplingParams
 
@@ -41,16 +43,23 @@ UNAUTHENTICATED_PATHS = ("/health",)  # probes carry no credentials
 class APIError(Exception):
     """An error answered with OpenAI's error body and this HTTP status."""
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.body = status, oa.error_body(message, kind, param, code)
+        self.status, self.body, self.headers = status, oa.error_body(message, kind, param, code), headers
 
     @staticmethod
     def invalid(e: InvalidRequestError) -> "APIError":
         return APIError(400, str(e), "invalid_request_error", e.field)
 
+    @staticmethod
+    def failed(e: EngineFailed) -> "APIError":
+        """A replica that gave up after worker faults is unavailable (503: another one may serve, as gRPC's
+        UNAVAILABLE says); any other engine failure is an internal error (500)."""
+        return APIError(503 if isinstance(e, ReplicaUnavailable) else 500, str(e), "server_error")
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
 ADMITTED = None  # what engine_stream yields first: the engine took the request (its refusals come before)
@@ -61,8 +70,12 @@ async def engine_stream(servicer: GenerationServicer, request_id: str, prompt: s
     """ADMITTED, then a request's deltas from the shared engine loop; raises InvalidRequestError or EngineFailed.
     Ending the iteration early (a client gone, a cancelled task) aborts the request, as a gRPC stream's end does."""
     engine_loop: EngineLoop = servicer.engine_loop
-    if not engine_loop.is_alive():
-        raise APIError(503, "the engine has stopped", "server_error")
+    if not engine_loop.is_alive() or engine_loop.failure:
+        raise APIError(503, engine_loop.failure or "the engine has stopped", "server_error")
+    if servicer.outstanding >= servicer.max_outstanding and engine_loop.recovering:
+        raise APIError(503, f"queue full while the replica recovers from a worker fault: retry in "
+                            f"{RECOVERY_RETRY_MS / 1000:g} s", "server_error",
+                       headers={"Retry-After": str(-(-RECOVERY_RETRY_MS // 1000))})
     if servicer.outstanding >= servicer.max_outstanding:
         raise APIError(429, f"queue full: {servicer.outstanding} requests in flight "
                             f"(limit {servicer.max_outstanding})", "rate_limit_error")
@@ -135,7 +148,7 @@ class OpenAIServer:
         try:
             await anext(stream)  # refusals (bad prompt, duplicate id) become a status, not an event
         except EngineFailed as e:
-            raise APIError(500, str(e), "server_error") from e
+            raise APIError.failed(e) from e
         if chunks is None:
             return JSONResponse(respond(request_id, await _all_unless_gone(request, stream)))
         return StreamingResponse(_events(request_id, stream, chunks), media_type="text/event-stream")
@@ -161,7 +174,7 @@ async def _all_unless_gone(request: Request, stream: AsyncIterator[Delta]) -> li
     except asyncio.CancelledError:
         raise APIError(499, "the client closed the request", "invalid_request_error") from None
     except EngineFailed as e:
-        raise APIError(500, str(e), "server_error") from e
+        raise APIError.failed(e) from e
 
 
 async def _disconnected(request: Request) -> None:

@@ -369,6 +369,35 @@ def test_engine_failure_is_500_and_the_server_recovers(ckpt: Path) -> None:
         srv.stop()
 
 
+def test_a_failed_replica_is_503_naming_the_cause(ckpt: Path) -> None:
+    """Past its fault budget the engine raises ReplicaFailed (mtpserve/cluster/recovery.py): HTTP answers 503,
+    as gRPC answers UNAVAILABLE, so a client or balancer tries another replica; /health turns 503 too."""
+    from mtpserve.errors import ReplicaFailed
+
+    srv = start(ckpt, http_port=0)
+    cause = "the replica failed after 3 worker faults within 600 s; the last: target worker (rank 0) died"
+    try:
+        def fail_step(engine: Any) -> None:
+            def give_up() -> list:
+                raise ReplicaFailed(cause)
+            engine.step = give_up
+        with openai.OpenAI(base_url=base_url(srv), api_key="unused", max_retries=0, timeout=60) as c:
+            chunks = iter(c.completions.create(model=MODEL, prompt=[5, 6], stream=True, **extras(LONG)))
+            assert next(chunks).choices[0].text
+            srv.replica.engine_loop.call(fail_step).result(10)
+            with pytest.raises(openai.APIError, match="worker faults"):  # mid-stream: an error event
+                list(chunks)
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError, match="target worker") as err:
+                    c.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4, stream=stream)
+                assert err.value.status_code == 503 and err.value.body["type"] == "server_error"
+            with pytest.raises(openai.APIStatusError) as err:
+                c.get("/../health", cast_to=object)
+            assert err.value.status_code == 503
+    finally:
+        srv.stop()
+
+
 def test_http_port_flag_and_yaml_key(tmp_path: Path) -> None:
     import argparse
 
