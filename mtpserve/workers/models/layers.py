@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mtpserve.kernels.rmsnorm_ref import rms_norm_ref
+from mtpserve.kernels.rope_ref import rope_ref
 from mtpserve.kernels.silu_mul_ref import silu_mul_ref
 from mtpserve.workers.attention import AttentionMetadata, LayerKV, attend
 from mtpserve.workers.models.config import ModelConfig, RopeConfig
@@ -115,12 +116,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D >= head_dim], positions: [T] -> x with its first head_dim dims rotated."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        rot, rest = x[..., : self.head_dim], x[..., self.head_dim :]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        if x.is_cuda and x.dim() == 3 and x.stride(-1) == 1:  # one kernel instead of a dozen
+            from mtpserve.kernels.rope import rope
+
+            return rope(x, self.cos, self.sin, positions)
+        return rope_ref(x, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
