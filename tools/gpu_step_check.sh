@@ -3,6 +3,7 @@
 # the CUDA cases of the kernel, graph and uniform-step tests, then the step benchmark against its
 # same-run lean reference, then the default model's speculation matrix. Results under $OUT.
 #   source .gpu/setup.sh && COMMIT=<sha> bash tools/gpu_step_check.sh
+# MTPSERVE_FUSED_KERNELS=0 runs the models on the torch references instead of the fused kernels (A/B).
 # Each part has its own time limit and a failure in one does not stop the others.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.kernels import use_fused
 from mtpserve.kernels.paged_attention_ref import paged_attention_ref
 from mtpserve.kernels.store_kv_ref import store_kv_ref
 
@@ -77,6 +78,8 @@ def _cuda_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata):
     from mtpserve.kernels.paged_attention import paged_attention
     from mtpserve.kernels.paged_attention_split import num_splits_for, paged_attention_split, sm_count
 
+    if not use_fused(q):
+        return paged_attention
     num_kv_heads = kv.k.shape[2]
     splits = num_splits_for(meta.seq_lens.shape[0], num_kv_heads, meta.max_query_len, meta.max_seq_len,
                             q.shape[1] // num_kv_heads, sm_count(q.device))

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from mtpserve.kernels import use_fused
 from mtpserve.kernels.rmsnorm_ref import rms_norm_ref
 from mtpserve.kernels.rope_ref import rope_ref
 from mtpserve.kernels.silu_mul_ref import silu_mul_ref
@@ -36,7 +37,7 @@ class RMSNorm(nn.Module):
 
 
 def _rms_norm(x: torch.Tensor):
-    if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3):
+    if use_fused(x) and x.stride(-1) == 1 and x.dim() in (2, 3):
         from mtpserve.kernels.rmsnorm import rms_norm
 
         return rms_norm
@@ -116,7 +117,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D >= head_dim], positions: [T] -> x with its first head_dim dims rotated."""
-        if x.is_cuda and x.dim() == 3 and x.stride(-1) == 1:  # one kernel instead of a dozen
+        if use_fused(x) and x.dim() == 3 and x.stride(-1) == 1:  # one kernel instead of a dozen
             from mtpserve.kernels.rope import rope
 
             return rope(x, self.cos, self.sin, positions)
@@ -157,7 +158,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
+        if use_fused(gate_up):
             from mtpserve.kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
