@@ -19,7 +19,7 @@ import socket
 import time
 import uuid
 from functools import lru_cache
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
