@@ -119,7 +119,7 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # a new batch size must not recompile
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     num_reqs, qk_scale,
