@@ -11,10 +11,12 @@ ops. It writes no RESULTS section: it is a diagnosis aid, the figures belong to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,26 +40,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--torch-profile", action="store_true", help="also a torch.profiler table (inflates host time)")
     return p.parse_args(argv)
 
 
-def _wrap_wait(engine: LLMEngine) -> list[float]:
-    """Time spent blocked on the device (executor.wait), accumulated into the returned list's cell."""
-    waited = [0.0]
-    inner = engine.executor.wait
+class PhaseTimer:
+    """Wall time spent in a few engine and executor methods, wrapped in place (seconds per name)."""
 
-    def wait(handle):  # noqa: ANN001, ANN202 - the executor's handle type
-        t0 = time.perf_counter()
-        try:
-            return inner(handle)
-        finally:
-            waited[0] += time.perf_counter() - t0
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds: dict[str, float] = {}
+        ex, sched = engine.executor, engine.scheduler
+        for owner, attr, name in ((sched, "schedule", "schedule"), (sched, "schedule_overlapped", "schedule"),
+                                  (ex, "execute", "execute (sync)"), (ex, "submit", "submit (launch)"),
+                                  (ex, "wait", "wait (device)"),
+                                  (engine, "_postprocess", "postprocess")):
+            if hasattr(owner, attr):
+                setattr(owner, attr, self._timed(getattr(owner, attr), name))
+        runner = getattr(ex, "runner", None)  # in-process: the parts of a uniform step's launch and read
+        for owner, attr, name in ((runner, "_launch_uniform", "  uniform launch"),
+                                  (getattr(runner, "uniform", None), "run", "    pack+graph"),
+                                  (runner, "_finish_uniform", "  uniform read"), (runner, "_run_general", "  general")):
+            if owner is not None and hasattr(owner, attr):
+                setattr(owner, attr, self._timed(getattr(owner, attr), name))
 
-    engine.executor.wait = wait
-    return waited
+    def _timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
 
 
-def profile_cell(engine: LLMEngine, k: int, c: int, args: argparse.Namespace, prompts: list[str]) -> None:
+def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int, c: int, args: argparse.Namespace,
+                 prompts: list[str]) -> None:
     n = max(8, args.requests_per_slot * c)
     jobs = [workloads.Job(p, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                                             num_speculative_tokens=k)) for p in prompts[:n]]
@@ -65,17 +85,22 @@ def profile_cell(engine: LLMEngine, k: int, c: int, args: argparse.Namespace, pr
     runner = getattr(engine.executor, "runner", None)
     uniform = getattr(runner, "uniform", None)
     runs0, replays0 = (uniform.runs, uniform.replays) if uniform else (0, 0)
-    overlapped0, waited = engine.num_overlapped_steps, _wrap_wait(engine)
+    overlapped0 = engine.num_overlapped_steps
+    timer.reset()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities) if args.torch_profile else contextlib.nullcontext()
+    with prof:
         t0 = time.perf_counter()
         run = workloads.drive(engine, jobs, c, f"k{k}c{c}")
         wall = time.perf_counter() - t0
     steps = run.engine_steps
     runs, replays = (uniform.runs - runs0, uniform.replays - replays0) if uniform else (0, 0)
+    phases = ", ".join(f"{name} {sec / steps * 1e3:.3f}" for name, sec in timer.seconds.items())
     print(f"\n== k={k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, {steps} steps, "
-          f"{wall / steps * 1e3:.3f} ms/step, host {(wall - waited[0]) / steps * 1e3:.3f} ms/step, "
-          f"uniform {runs} (replayed {replays}), overlapped {engine.num_overlapped_steps - overlapped0}")
+          f"{wall / steps * 1e3:.3f} ms/step ({phases} ms/step), uniform {runs} (replayed {replays}), "
+          f"overlapped {engine.num_overlapped_steps - overlapped0}")
+    if not args.torch_profile:
+        return
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=60))
     if torch.cuda.is_available():
@@ -91,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         model = workloads.resolve_model(args.model, False, Path(tmp))
         engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype,
                                         max_num_seqs=max(concurrency)))
+        timer = PhaseTimer(engine)
         prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
         for c in concurrency:
             for k in ks:
-                profile_cell(engine, k, c, args, prompts)
+                profile_cell(engine, timer, k, c, args, prompts)
         engine.shutdown()
     return 0
 

@@ -51,6 +51,7 @@ class RayExecutor:
         self.worker_pids: dict[str, int] = {}  # worker name -> process id (tests kill workers by it)
         self._resolved = resolved
         self._slowest_step = 0.0  # seconds, over every incarnation of the workers
+        self._warm = False  # this incarnation of the workers finished a step (its first compiles kernels)
         self._groups: list = []
         self._actors: list[Any] = []
         self._names: list[str] = []
@@ -85,7 +86,7 @@ class RayExecutor:
         """Start the workers in the reserved groups, join them and open their channels."""
         c, use_gpu = r.config, r.device.type == "cuda"
         deadline = time.monotonic() + c.startup_timeout_s
-        self._actors, self._names = [], []
+        self._actors, self._names, self._warm = [], [], False
         self._listener = Listener()
         self._spawn(r, use_gpu)
         master = self._get(self._actors[0].rendezvous_address.remote(), deadline, self._names[0])
@@ -158,7 +159,10 @@ class RayExecutor:
     def _await_result(self) -> StepResult:
         by_fd, fds = self._by_fd, self._fds
         started = time.monotonic()
-        limit = self.step_timeout_s()
+        # Until a step has completed, and after a worker says it captures a graph, the step may be compiling
+        # kernels: the startup timeout applies instead of the hang detector's.
+        limit = self.step_timeout_s() if self._warm else self._resolved.config.startup_timeout_s
+        compiled = not self._warm
         while True:
             ready = select.select(fds, [], [], _POLL_S)[0]
             if not ready:
@@ -173,8 +177,14 @@ class RayExecutor:
                     msg = ch.recv()
                 except (ChannelClosed, OSError):
                     self._fail(f"{name} closed its control channel (its process died?){self._actor_cause(name)}")
+                if msg[0] == "busy":
+                    started, limit = time.monotonic(), max(limit, self._resolved.config.startup_timeout_s)
+                    compiled = True
+                    continue
                 if msg[0] == "result":
-                    self._slowest_step = max(self._slowest_step, time.monotonic() - started)
+                    if not compiled:  # a step that compiled says nothing of how long serving steps take
+                        self._slowest_step = max(self._slowest_step, time.monotonic() - started)
+                    self._warm = True
                     return msg[1]
                 if msg[0] == "error":
                     self._fail(f"{msg[1]} failed during a step:\n{msg[2]}")

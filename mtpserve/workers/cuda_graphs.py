@@ -148,6 +148,7 @@ class TargetGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.steps: dict[tuple[int, int], StaticStep] = {}
         self.replays = 0
+        self.on_capture: Callable[[], None] | None = None  # told before a capture (it may compile for seconds)
 
     def window(self, reqs: Sequence[CachedRequest], n: np.ndarray, d: np.ndarray) -> int | None:
         """The common window of a pure decode / verify step, or None: the step runs eagerly."""
@@ -172,6 +173,8 @@ class TargetGraphs:
         return step.replay(len(reqs))
 
     def _capture(self, bucket: int, w: int) -> StaticStep:
+        if self.on_capture is not None:
+            self.on_capture()
         step = StaticStep(bucket, w, self.max_blocks, self.block_size, self.device)
         step.capture(lambda: self.target(step.input_ids, step.positions, step.meta, self.kv), self.pool)
         self.steps[(bucket, w)] = step

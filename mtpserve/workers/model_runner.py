@@ -88,6 +88,13 @@ class ModelRunner:
         self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
                                    device) if graphs and self.uniform is None else None
 
+    def on_capture(self, listener: Callable[[], None]) -> None:
+        """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and
+        a worker tells its driver so (the step timeout must not take it for a hang)."""
+        for graphs in (self.uniform, self.graphs):
+            if graphs is not None:
+                graphs.on_capture = listener
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         return self.wait(self.submit(plan))

@@ -16,6 +16,7 @@ force it through `pad_to_buckets` to check that padded rows change nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ class UniformGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple[int, StepShape], _Graph] = {}
         self.runs = self.replays = 0  # uniform steps run, and of those replayed from graphs
+        self.on_capture: Callable[[], None] | None = None  # told before a capture (it may compile for seconds)
 
     @torch.inference_mode()
     def run(self, slots: np.ndarray, num_drafts: np.ndarray, shape: StepShape, diffs: StateDiffs
@@ -68,6 +70,8 @@ class UniformGraphs:
         return out[:r], raw[: r * shape.window]
 
     def _capture(self, batch: int, shape: StepShape) -> _Graph:
+        if self.on_capture is not None:
+            self.on_capture()
         slots = torch.full((batch,), self.state.pad_slot, dtype=torch.int64, device=self.device)
         num_drafts = torch.zeros(batch, dtype=torch.int64, device=self.device)
         stream = torch.cuda.Stream(self.device)

@@ -82,6 +82,8 @@ class Worker:
         """The step loop: every worker applies every plan; target rank 0 answers."""
         runner, ch, answer = self.runner, self.channel, self.spec.rank == 0
         doomed = _fault_wanted(self.spec, "step")
+        if answer and hasattr(runner, "on_capture"):
+            runner.on_capture(lambda: ch.send(("busy", "capturing a CUDA graph")))
         try:
             while True:
                 kind, plan = ch.recv()
