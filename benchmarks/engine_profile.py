@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--prefill-hold-steps", type=int, default=4)
     p.add_argument("--torch-profile", action="store_true", help="also a torch.profiler table (inflates host time)")
     return p.parse_args(argv)
 
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mtpserve-engine-profile-") as tmp:
         model = workloads.resolve_model(args.model, False, Path(tmp))
         engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype,
-                                        max_num_seqs=max(concurrency)))
+                                        max_num_seqs=max(concurrency),
+                                        prefill_hold_steps=args.prefill_hold_steps))
         timer = PhaseTimer(engine)
         prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
         for c in concurrency:

@@ -59,7 +59,8 @@ class LLMEngine:
         self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size,
                                      enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, r.num_mtp_modules, config.mtp_chain),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, r.num_mtp_modules, config.mtp_chain,
+                            config.prefill_hold_steps),
             self.blocks,
         )
         self.outputs = OutputProcessor(self.tokenizer)

@@ -33,6 +33,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # CUDA: fraction of GPU memory for weights + KV
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_hold_steps: int = 4  # while requests decode, arrivals wait up to this many steps to prefill together
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     drafter_devices: int = 0  # 0 = drafter colocated with target rank 0
@@ -63,6 +64,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_m", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.prefill_hold_steps < 0:
+            raise ValueError(f"prefill_hold_steps: must be >= 0, got {self.prefill_hold_steps}")
         if self.drafter_devices < 0:
             raise ValueError(f"drafter_devices: must be >= 0, got {self.drafter_devices}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:

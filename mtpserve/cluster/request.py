@@ -35,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     resume_token: int | None = None  # held out of token_ids while its KV is recomputed (NewRequest.resume_token)
     block_hashes: list[list[bytes]] = field(default_factory=list)  # per KV group: prefix-cache hash chain
+    queued_at_step: int = 0  # the scheduler's step count when it queued the request (prefill_hold_steps)
 
     @property
     def output_token_ids(self) -> list[int]:

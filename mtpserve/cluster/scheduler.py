@@ -20,6 +20,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     num_mtp_modules: int
     chain_mode: str
+    # While requests decode, new ones wait up to this many steps to be prefilled together: a step with
+    # prefill chunks takes the eager general path, whose cost is mostly per pass (launches, the MTP
+    # chain over the prompt rows), so at high load admitting each arrival alone would turn most steps
+    # into general ones. 0 admits every arrival at the next step.
+    prefill_hold_steps: int = 0
 
 
 class Scheduler:
@@ -31,6 +36,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._freed: list[str] = []  # workers drop these at the next step
         self.num_preemptions = 0
+        self.num_steps = 0  # steps planned (synchronous and overlapped)
         self._groups_of_k: dict[int, tuple[int, ...]] = {}
 
     @property
@@ -40,7 +46,19 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
         req.block_hashes = [[] for _ in self.blocks.pools]
+        req.queued_at_step = self.num_steps
         self.waiting.append(req)
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join now (see SchedulerConfig.prefill_hold_steps): at once when
+        nothing decodes, when they would fill every free slot or a quarter of the batch, or once the
+        oldest has waited its hold."""
+        hold = self.config.prefill_hold_steps
+        if not self.waiting or hold == 0 or not any(r.num_computed >= r.num_prompt_tokens for r in self.running):
+            return bool(self.waiting)
+        free = self.config.max_num_seqs - len(self.running)
+        return free > 0 and (len(self.waiting) >= min(free, max(1, len(self.running) // 4))
+                or self.num_steps - self.waiting[0].queued_at_step >= hold)
 
     def finish(self, req: Request, reason: str) -> None:
         """Finish (or abort) a request: release its blocks now; workers drop it next step."""
@@ -56,6 +74,8 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def schedule(self) -> StepPlan:
+        self.num_steps += 1
+        admitting = self._admitting()
         plan = StepPlan(freed_ids=self._freed)
         self._freed = []
         budget = self.config.max_num_batched_tokens
@@ -72,7 +92,8 @@ class Scheduler:
             i += 1
         # After a preemption, admitting new work would only evict it again.
         preempted = self.num_preemptions > preemptions_before
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        while admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not preempted:
             req = self.waiting[0]
             groups = self._groups(req)
             # A prefix-cache hit: every group the request uses starts past the cached blocks.
@@ -99,8 +120,9 @@ class Scheduler:
         known yet, so blocks are allocated for the worst case (every draft in flight accepted), and a
         request that might finish in flight sits this step out. None: the engine drains first.
         """
-        if self.waiting or self._freed or len(in_flight.req_ids) != len(self.running):
+        if self._admitting() or self._freed or len(in_flight.req_ids) != len(self.running):
             return None
+        self.num_steps += 1
         drafts_in_flight = dict(zip(in_flight.req_ids, in_flight.num_drafts))
         plan, budget = StepPlan(), self.config.max_num_batched_tokens
         for req in self.running:
