@@ -4,9 +4,10 @@
 
 For each cell the closed loop of spec_matrix.py runs once to warm up (Triton, graph captures) and once
 measured. It prints how many steps took the uniform path (and of those, graph replays), how many
-were launched overlapped, the wall time per step, the host's share of it (engine.step minus the
-wait for the device), and a torch.profiler table of the measured run's top device kernels and host
-ops. It writes no RESULTS section: it is a diagnosis aid, the figures belong to spec_matrix.py.
+were launched overlapped, and the wall time per step split into the engine's phases (schedule,
+launch, of it the general path and the uniform step's pack + graph replay, the wait for the device,
+the read of the result, postprocess), all per step of the measured run. With --torch-profile it adds
+torch.profiler tables of the top device kernels and host ops (the profiler inflates host time). It writes no RESULTS section: it is a diagnosis aid, the figures belong to spec_matrix.py.
 """
 from __future__ import annotations
 
