@@ -130,7 +130,8 @@ class ResolvedConfig:
         # Graphs only without tensor parallelism: its all-reduces inside the forward are not captured.
         return RunnerConfig(self.num_blocks, c.block_size, c.max_num_seqs, self.num_mtp_modules, c.mtp_chain,
                             c.draft_top_m, cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1,
-                            max_model_len=self.max_model_len, uniform_steps=c.uniform_steps)
+                            max_model_len=self.max_model_len, uniform_steps=c.uniform_steps,
+                            capture_at_start=tuple(sorted({0, self.default_num_spec})))
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

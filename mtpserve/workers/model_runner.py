@@ -30,7 +30,7 @@ from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify
 from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
                                        uniforms)
-from mtpserve.workers.slot_state import DeviceState, StateDiffs, sampling_flags
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs, sampling_flags
 from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
                                     sampling_tensors)
 from mtpserve.workers.uniform_graphs import UniformGraphs
@@ -49,6 +49,9 @@ class RunnerConfig:
     max_model_len: int | None = None  # fixes the graphs' block-table width; None = the model's max_position
     uniform_steps: bool = True  # device-resident fixed-shape steps where every request is at its frontier
     pad_uniform_steps: bool | None = None  # pad uniform steps to batch buckets; None = only with CUDA graphs
+    # Numbers of drafts whose uniform-step graphs (greedy and plain sampling) are captured for every batch
+    # bucket when the runner starts, so that the first requests do not wait on compiles and captures.
+    capture_at_start: tuple[int, ...] = ()
 
 
 class RemoteDrafts(Protocol):
@@ -87,6 +90,9 @@ class ModelRunner:
         # Without uniform steps (a drafter group holds the chain), graphs cover the target forward only.
         self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
                                    device) if graphs and self.uniform is None else None
+        if self.uniform is not None and self.uniform.use_graphs:
+            self.uniform.capture_all([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
+                                      for k in config.capture_at_start for greedy in (True, False)])
 
     def on_capture(self, listener: Callable[[], None]) -> None:
         """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and

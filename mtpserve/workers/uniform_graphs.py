@@ -69,6 +69,13 @@ class UniformGraphs:
             self.replays += 1
         return out[:r], raw[: r * shape.window]
 
+    def capture_all(self, shapes: list[StepShape]) -> None:
+        """Capture every batch bucket's graph of each shape now (at start, before requests wait on it)."""
+        for batch in self.buckets:
+            for shape in shapes:
+                if (batch, shape) not in self.graphs:
+                    self._capture(batch, shape)
+
     def _capture(self, batch: int, shape: StepShape) -> _Graph:
         if self.on_capture is not None:
             self.on_capture()

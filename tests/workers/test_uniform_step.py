@@ -153,3 +153,16 @@ def test_a_captured_step_makes_no_host_sync(partly_trained: Path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert len(checked) > 5
+
+
+@cuda
+def test_the_default_ks_graphs_are_captured_at_start(partly_trained: Path) -> None:
+    llm = LLM(str(partly_trained), device="cuda", dtype="float32", num_speculative_tokens=3, max_num_seqs=8)
+    uniform = llm.engine.executor.runner.uniform
+    at_start = set(uniform.graphs)
+    assert {bucket for bucket, _ in at_start} == set(uniform.buckets)
+    assert {(shape.window, shape.chain) for _, shape in at_start} == {(1, 0), (4, 3)}
+    llm.generate(prompts_of(64, [6, 9, 7], seed=1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert uniform.replays > 3
+    # Only the last steps, whose windows shrink before max_tokens, needed graphs of their own.
+    assert all(shape.window < 4 for _, shape in set(uniform.graphs) - at_start)
