@@ -40,6 +40,7 @@ class EngineConfig:
     use_ray: bool = False
     seed: int = 0
     cuda_graphs: bool = True  # replay whole uniform steps (or, with a drafter group, the target) as CUDA graphs
+    capture_graphs_at_start: bool = True  # k=0 and the default k, every batch bucket; False: on first use only
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
     async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA, in-process
     enable_prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes, in every KV group
@@ -131,7 +132,7 @@ class ResolvedConfig:
         return RunnerConfig(self.num_blocks, c.block_size, c.max_num_seqs, self.num_mtp_modules, c.mtp_chain,
                             c.draft_top_m, cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1,
                             max_model_len=self.max_model_len, uniform_steps=c.uniform_steps,
-                            capture_at_start=tuple(sorted({0, self.default_num_spec})))
+                            capture_at_start=(0, self.default_num_spec) if c.capture_graphs_at_start else ())
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
