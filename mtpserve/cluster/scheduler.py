@@ -115,14 +115,14 @@ class Scheduler:
     def schedule_overlapped(self, in_flight: StepPlan) -> StepPlan | None:
         """The next decode step, planned while `in_flight` still runs (async scheduling, docs/design.md §8).
 
-        Only when that step was a decode step of every running request and nothing else waits: each
-        request then verifies its new drafts, which are already on the device. Its accepted count is not
-        known yet, so blocks are allocated for the worst case (every draft in flight accepted), and a
-        request that might finish in flight sits this step out. None: the engine drains first.
+        Only when that step was a decode step of every running request and no waiting request is due to
+        join (SchedulerConfig.prefill_hold_steps): each request then verifies its new drafts, which are
+        already on the device. Its accepted count is not known yet, so blocks are allocated for the worst
+        case (every draft in flight accepted), and a request that might finish in flight sits this step
+        out. None: the engine drains first.
         """
         if self._admitting() or self._freed or len(in_flight.req_ids) != len(self.running):
             return None
-        self.num_steps += 1
         drafts_in_flight = dict(zip(in_flight.req_ids, in_flight.num_drafts))
         plan, budget = StepPlan(), self.config.max_num_batched_tokens
         for req in self.running:
@@ -138,7 +138,10 @@ class Scheduler:
                 return None  # the synchronous path may preempt
             self._add_to_plan(plan, req, 1, d, new_blocks)
             budget -= 1 + d
-        return plan if plan.req_ids else None
+        if not plan.req_ids:
+            return None
+        self.num_steps += 1
+        return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], int]]:
         """Advance the scheduled requests; returns (request, newly kept tokens, accepted drafts) for those
