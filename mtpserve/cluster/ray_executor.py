@@ -162,7 +162,7 @@ class RayExecutor:
         # Until a step has completed, and after a worker says it captures a graph, the step may be compiling
         # kernels: the startup timeout applies instead of the hang detector's.
         limit = self.step_timeout_s() if self._warm else self._resolved.config.startup_timeout_s
-        compiled = not self._warm
+        may_compile = not self._warm
         while True:
             ready = select.select(fds, [], [], _POLL_S)[0]
             if not ready:
@@ -179,10 +179,10 @@ class RayExecutor:
                     self._fail(f"{name} closed its control channel (its process died?){self._actor_cause(name)}")
                 if msg[0] == "busy":
                     started, limit = time.monotonic(), max(limit, self._resolved.config.startup_timeout_s)
-                    compiled = True
+                    may_compile = True
                     continue
                 if msg[0] == "result":
-                    if not compiled:  # a step that compiled says nothing of how long serving steps take
+                    if not may_compile:  # a step that compiled says nothing of how long serving steps take
                         self._slowest_step = max(self._slowest_step, time.monotonic() - started)
                     self._warm = True
                     return msg[1]

@@ -15,19 +15,14 @@ import torch
 
 from mtpserve.workers.kv_cache import KVPools, bytes_per_block
 from mtpserve.workers.models.layers import rope_attention_factor, rope_inv_freq
-from mtpserve.workers.models.loader import load_model
 from mtpserve.workers.models.mla import MLAttention
-from tests.checkpoints import load_hf_model
-from tests.moe_checkpoints import make_moe_checkpoint
-from tests.moe_reference import MoEReference
-from tests.reference import DEEPSEEK
+from tests.workers.moe_fixtures import moe_fixtures
 from tests.workers.test_models import (  # noqa: F401  (collected here with this module's `models`)
     test_chunked_prefill_equals_whole_prefill,
     test_flat_batch_prefill_matches_transformers,
     test_paged_decode_token_by_token_matches_transformers,
 )
 from tests.workers.test_mtp import (  # noqa: F401  (collected here with this module's `case`)
-    Case,
     test_mtp_flat_batch_matches_teacher_forced_reference,
     test_mtp_incremental_steps_match_reference,
     test_reference_target_matches_transformers,
@@ -47,26 +42,7 @@ CONFIGS = {
     ),
 }
 NUM_MTP = 2
-_BUILT: dict[str, tuple] = {}
-
-
-def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    if name not in _BUILT:
-        path = make_moe_checkpoint(tmp_path_factory.mktemp(name), "deepseek_v3", num_mtp=NUM_MTP, **CONFIGS[name])
-        _BUILT[name] = (path, load_model(path, torch.float32, "cpu"))
-    return _BUILT[name]
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
-def models(request, tmp_path_factory):
-    path, ours = _build(request.param, tmp_path_factory)
-    return load_hf_model(path), ours, request.param
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
-def case(request, tmp_path_factory):
-    path, ours = _build(request.param, tmp_path_factory)
-    return Case("deepseek_v3", DEEPSEEK, NUM_MTP), path, MoEReference(path), ours
+models, case = moe_fixtures("deepseek_v3", CONFIGS, NUM_MTP)
 
 
 def test_config_rope_and_scale_match_transformers(models):

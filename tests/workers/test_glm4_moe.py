@@ -16,20 +16,16 @@ import torch
 from mtpserve.errors import CheckpointError
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.layers import rope_inv_freq
-from mtpserve.workers.models.loader import load_model
 from mtpserve.workers.models.moe import MoE
 from mtpserve.workers.tensor_parallel import check_shardable
-from tests.checkpoints import load_hf_model, read_config
-from tests.moe_checkpoints import make_moe_checkpoint
-from tests.moe_reference import MoEReference
-from tests.reference import DEEPSEEK
+from tests.checkpoints import read_config
+from tests.workers.moe_fixtures import build_moe, moe_fixtures
 from tests.workers.test_models import (  # noqa: F401  (collected here with this module's `models`)
     test_chunked_prefill_equals_whole_prefill,
     test_flat_batch_prefill_matches_transformers,
     test_paged_decode_token_by_token_matches_transformers,
 )
 from tests.workers.test_mtp import (  # noqa: F401  (collected here with this module's `case`)
-    Case,
     test_mtp_flat_batch_matches_teacher_forced_reference,
     test_mtp_incremental_steps_match_reference,
     test_reference_target_matches_transformers,
@@ -47,26 +43,11 @@ CONFIGS = {
     ),
 }
 NUM_MTP = 2
-_BUILT: dict[str, tuple] = {}
+models, case = moe_fixtures("glm4_moe", CONFIGS, NUM_MTP)
 
 
 def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    if name not in _BUILT:
-        path = make_moe_checkpoint(tmp_path_factory.mktemp(name), "glm4_moe", num_mtp=NUM_MTP, **CONFIGS[name])
-        _BUILT[name] = (path, load_model(path, torch.float32, "cpu"))
-    return _BUILT[name]
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
-def models(request, tmp_path_factory):
-    path, ours = _build(request.param, tmp_path_factory)
-    return load_hf_model(path), ours, request.param
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
-def case(request, tmp_path_factory):
-    path, ours = _build(request.param, tmp_path_factory)
-    return Case("glm4_moe", DEEPSEEK, NUM_MTP), path, MoEReference(path), ours
+    return build_moe("glm4_moe", CONFIGS, NUM_MTP, name, tmp_path_factory)
 
 
 def test_config_layers_and_rope_match_transformers(models):
