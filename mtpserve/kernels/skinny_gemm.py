@@ -1,0 +1,187 @@
+"""Triton GEMM for few rows: y [M, N] = x [M, K] @ w [N, K]^T (+ bias), built to stream w at HBM speed.
+
+Drop-in for `skinny_gemm_ref` (and F.linear) when M is a decode or verify batch (1..256 rows). Such a
+product reads every weight once and does little arithmetic per byte, so the kernel is shaped around
+the weight stream, not around the MMA:
+  * swap-AB: a program owns a BLOCK_N strip of w as the MMA's wide side and all (up to BLOCK_M) rows
+    of x as the narrow side, acc [BLOCK_N, BLOCK_M] = sum_k w[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M].
+    tl.dot needs 16 on every side, so M pads to 16 / 32 / 64 (masked loads: no copy of x).
+  * M above BLOCK_M: the m-tile is the fastest grid axis, so the tiles that read one w strip run side
+    by side and all but the first read it from L2.
+  * split-K when N / BLOCK_N strips cannot fill the SMs (a 4096-wide output is 64 strips of 64 on
+    132 SMs): SPLIT programs per strip each take a contiguous K range and write fp32 partials
+    [SPLIT, M, N]; a second small kernel sums them, adds the bias and rounds (atomic-free, so the
+    result does not depend on the order programs finish, and graph replays are deterministic).
+Nothing is read on the host and nothing depends on tensor values, so a call is CUDA-graph capturable;
+M is not specialised (one compile per tile shape, whatever the batch), and which config serves which
+(M bucket, N, K) is measured by mtpserve/kernels/linear_dispatch.py, outside any capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 256  # beyond this, a step is not weight-streaming any more: F.linear (cuBLAS) takes it
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int  # weight rows (output features) per program
+    block_k: int  # K per loop iteration
+    split: int  # programs per strip along K (1: no partials, no second kernel)
+    num_warps: int
+    num_stages: int
+
+    def as_list(self) -> list[int]:
+        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages]
+
+
+# The tile shapes tried per (M bucket, N, K): few on purpose, each one is a compile per M bucket.
+# (block_n, block_k, num_warps, num_stages); shared memory per stage stays <= 48 KB at BLOCK_M 64.
+TILES = ((64, 128, 4, 4), (128, 128, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3))
+
+
+def block_m(m: int) -> int:
+    """Rows per tile: M padded to 16 / 32 / 64 (tl.dot's minimum is 16); more rows take more tiles."""
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+def m_bucket(m: int) -> int:
+    """The M class a measured choice holds for: 16, 32, 64, then powers of two up to MAX_ROWS."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def split_for(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Smallest power-of-two split that gives every SM a program, keeping >= 4 K tiles per program."""
+    programs = triton.cdiv(m, block_m(m)) * triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < num_sms and triton.cdiv(k, 2 * split * block_k) >= 4 and split < 8:
+        split *= 2
+    return split
+
+
+def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
+    """Every tile, without split and with the split that fills the SMs (when that is more than 1)."""
+    out = []
+    for bn, bk, warps, stages in TILES:
+        for split in sorted({1, split_for(m, n, k, bn, bk, num_sms)}):
+            out.append(SkinnyConfig(bn, bk, split, warps, stages))
+    return out
+
+
+def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
+    """Used where nothing was measured (CPU, tests, a shape first seen inside a capture)."""
+    bn, bk, warps, stages = TILES[0]
+    return SkinnyConfig(bn, bk, split_for(m, n, k, bn, bk, num_sms), warps, stages)
+
+
+@lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H100's count: CPU runs only check that the split paths compute the same result
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit(do_not_specialize=["M", "k_tiles"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, k_tiles,  # k_tiles: BLOCK_K tiles per split
+    stride_xm, stride_wn, stride_ym, stride_ys,  # stride_ys: between splits' partials (PARTIAL only)
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
+    split = tl.program_id(1)
+    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w, columns of y
+    m_mask, n_mask = ms < M, ns < N
+    k_lo = split * k_tiles * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + k_tiles * BLOCK_K)
+    w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    x_cols = x_ptr + ms[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        if EVEN_K:  # no K mask: the masks left are constant along K, so loads stay vectorised
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+            xt = tl.load(x_cols + ks[:, None], mask=m_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+        else:
+            k_mask = ks < k_hi
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if UPCAST:
+            w, xt = w.to(tl.float32), xt.to(tl.float32)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if PARTIAL:  # fp32 partial of this K range; _sum_splits_kernel finishes the job
+        out = y_ptr + split.to(tl.int64) * stride_ys + ms[None, :].to(tl.int64) * stride_ym + ns[:, None]
+        tl.store(out, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + ns, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out = y_ptr + ms[None, :].to(tl.int64) * stride_ym + ns[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, stride_ym,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = ns < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, splits):  # in split order: the same sum on every replay
+        acc += tl.load(p_ptr + s * stride_ps + row * stride_pm + ns, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ns, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + ns, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# TRITON_INTERPRET=1 at import time makes @triton.jit return an interpreted function instead.
+_INTERPRETED = not isinstance(_skinny_gemm_kernel, triton.runtime.jit.JITFunction)
+
+
+def skinny_gemm(
+    x: torch.Tensor,  # [M, K], unit stride along K
+    weight: torch.Tensor,  # [N, K], unit stride along K (nn.Linear layout)
+    bias: torch.Tensor | None = None,  # [N]
+    config: SkinnyConfig | None = None,  # None: default_config for this shape and device
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation."""
+    (m, k), (n, w_k) = x.shape, weight.shape
+    if w_k != k or weight.dtype != x.dtype or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} disagree")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a unit stride along K")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = config or default_config(m, n, k, num_sms(x.device))
+    bm = block_m(m)
+    k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split)  # the last split may get fewer (or none)
+    splits = triton.cdiv(triton.cdiv(k, cfg.block_k), k_tiles)
+    partial = splits > 1
+    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
+    # The interpreter's tl.dot multiplies bf16 tiles' raw storage: widen the operands to fp32 there.
+    upcast = _INTERPRETED and x.dtype != torch.float32
+    grid = (triton.cdiv(m, bm), splits, triton.cdiv(n, cfg.block_n))
+    _skinny_gemm_kernel[grid](
+        x, weight, bias if bias is not None else y, out, m, n, k, k_tiles,
+        x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if partial else 0,
+        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](
+            out, bias if bias is not None else y, y, n, splits, out.stride(0), out.stride(1), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
