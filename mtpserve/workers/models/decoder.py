@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtpserve.kernels.linear_dispatch import DispatchedLinear
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 from mtpserve.workers.attention import AttentionMetadata, LayerKV
 from mtpserve.workers.models.config import ModelConfig
@@ -20,7 +21,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = DispatchedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -2,7 +2,8 @@
 
 Every module works on flat token rows [T, hidden]; attention goes through the paged KV cache.
 Linears are plain nn.Linear (q/k/v and gate/up fused) so that tensor parallelism can be applied
-afterwards as a separate pass over the unsharded model (mtpserve/workers/tensor_parallel.py).
+afterwards as a separate pass over the unsharded model (mtpserve/workers/tensor_parallel.py); the
+DispatchedLinear subclass only routes the product (mtpserve/kernels/linear_dispatch.py, off by default).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from mtpserve.kernels import use_fused
+from mtpserve.kernels.linear_dispatch import DispatchedLinear  # nn.Linear; cuBLAS unless measured slower
 from mtpserve.kernels.rmsnorm_ref import rms_norm_ref
 from mtpserve.kernels.rope_ref import rope_ref
 from mtpserve.kernels.silu_mul_ref import silu_mul_ref
@@ -129,8 +131,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = DispatchedLinear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = DispatchedLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -153,8 +155,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = DispatchedLinear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = DispatchedLinear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtpserve.kernels.linear_dispatch import DispatchedLinear
 from mtpserve.workers.attention import AttentionMetadata, LayerKV
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -21,7 +22,7 @@ class MTPModule(nn.Module):
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.eh_proj = DispatchedLinear(2 * hidden, hidden, bias=False)
         self.block = DecoderLayer(cfg, rotary, cfg.num_layers + index)  # MoE when the target's last layers are
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         # Set by the loader only when the checkpoint carries per-module copies.

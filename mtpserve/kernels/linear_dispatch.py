@@ -1,0 +1,166 @@
+"""Which GEMM runs a linear layer's product: F.linear (cuBLAS) or skinny_gemm, chosen per measured shape.
+
+cuBLAS stays the default everywhere: the Triton kernel takes a call only where it was measured to win.
+
+  MTPSERVE_SKINNY_GEMM=off   (default) every product is F.linear
+  MTPSERVE_SKINNY_GEMM=auto  skinny_gemm where the table says it beat F.linear for this device, dtype,
+                             M bucket, N and K; a shape missing from the table is measured the first
+                             time it runs outside a CUDA-graph capture, and cuBLAS takes it meanwhile
+  MTPSERVE_SKINNY_GEMM=on    skinny_gemm for every eligible call, with its best measured config (A/B runs);
+                             a shape first seen inside a capture still goes to cuBLAS (nothing compiled)
+  MTPSERVE_SKINNY_TABLE=path a JSON table written by benchmarks/gemm_benchmark.py (--table-out), loaded
+                             at import; entries of another device are ignored
+
+Eligible: a CUDA tensor, bf16 or fp16, 1..MAX_ROWS rows. Capture safety: a measurement syncs the
+device, so it never runs while a stream captures; the runners warm every graph's step up eagerly
+before capturing it (cuda_graphs.WARMUP_RUNS), which measures each shape a graph will hold, at start
+when graphs are captured at start. A measurement times the tile configs of skinny_gemm.TILES with
+the L2 cache flushed between calls (weights are never L2-resident in a real step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("off", "on", "auto")
+ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The measurement of one shape: skinny_gemm's best config and both times (microseconds)."""
+
+    config: tuple[int, ...]  # SkinnyConfig fields (block_n, block_k, split, num_warps, num_stages)
+    skinny_us: float
+    cublas_us: float
+
+    @property
+    def skinny_wins(self) -> bool:
+        return self.skinny_us < self.cublas_us
+
+
+_mode = "off"
+_table: dict[str, Choice] = {}
+
+
+def set_mode(mode: str) -> None:
+    """Switch the dispatch (benchmarks A/B in one process; graphs captured before keep their choice)."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"skinny GEMM mode {mode!r}: expected one of {MODES}")
+    _mode = mode
+
+
+def mode() -> str:
+    return _mode
+
+
+def shape_key(device_name: str, dtype: torch.dtype, bucket: int, n: int, k: int) -> str:
+    return f"{device_name}|{str(dtype).removeprefix('torch.')}|m{bucket}|n{n}|k{k}"
+
+
+@lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def record(key: str, choice: Choice) -> None:
+    _table[key] = choice
+
+
+def table() -> dict[str, Choice]:
+    return dict(_table)
+
+
+def save_table(path: Path, entries: dict[str, Choice]) -> None:
+    rows = {key: {"config": list(c.config), "skinny_us": c.skinny_us, "cublas_us": c.cublas_us}
+            for key, c in sorted(entries.items())}
+    Path(path).write_text(json.dumps({"version": 1, "entries": rows}, indent=1) + "\n")
+
+
+def load_table(path: Path) -> int:
+    """Add a gemm_benchmark table to the dispatch's; -> entries read."""
+    rows = json.loads(Path(path).read_text())["entries"]
+    for key, row in rows.items():
+        _table[key] = Choice(tuple(row["config"]), float(row["skinny_us"]), float(row["cublas_us"]))
+    return len(rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through skinny_gemm where the mode and the measurements say so."""
+    if _mode == "off" or not x.is_cuda or x.dtype not in ELIGIBLE_DTYPES or weight.dtype != x.dtype:
+        return F.linear(x, weight, bias)
+    from mtpserve.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_gemm
+
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 0 < rows <= MAX_ROWS or weight.stride(-1) != 1:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        return F.linear(x, weight, bias)
+    config = _config_for(x2, weight, bias)
+    if config is None:
+        return F.linear(x, weight, bias)
+    return skinny_gemm(x2, weight, bias, SkinnyConfig(*config)).view(*x.shape[:-1], weight.shape[0])
+
+
+def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The skinny config to run, or None for cuBLAS; measures a new shape when the stream is not capturing."""
+    from mtpserve.kernels.skinny_gemm import m_bucket
+
+    (rows, k), n = x.shape, weight.shape[0]
+    key = shape_key(_device_name(x.device), x.dtype, m_bucket(rows), n, k)
+    choice = _table.get(key)
+    if choice is None and not torch.cuda.is_current_stream_capturing():
+        choice = _table[key] = measure(x, weight, bias)
+    if choice is None or not choice.config:  # first seen inside a capture (nothing compiled), or no config fits
+        return None
+    return choice.config if _mode == "on" or choice.skinny_wins else None
+
+
+def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            warmup_ms: float = 2.0, rep_ms: float = 10.0) -> Choice:
+    """Time F.linear and every candidate config (median, L2 flushed before each call); syncs the device."""
+    import triton
+    from triton.testing import do_bench
+
+    from mtpserve.kernels.skinny_gemm import candidate_configs, num_sms, skinny_gemm
+
+    (rows, k), n = x.shape, weight.shape[0]
+
+    def time_us(fn) -> float:
+        return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+    cublas = time_us(lambda: F.linear(x, weight, bias))
+    best: tuple[float, tuple[int, ...]] | None = None
+    for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
+        try:
+            us = time_us(lambda: skinny_gemm(x, weight, bias, cfg))
+        except triton.runtime.errors.OutOfResources:  # too much shared memory for this GPU: skip it
+            continue
+        if best is None or us < best[0]:
+            best = (us, tuple(cfg.as_list()))
+    if best is None:
+        return Choice((), float("inf"), cublas)
+    return Choice(best[1], best[0], cublas)
+
+
+class DispatchedLinear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose product goes through `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+set_mode(os.environ.get("MTPSERVE_SKINNY_GEMM", "off"))
+if os.environ.get("MTPSERVE_SKINNY_TABLE"):
+    load_table(Path(os.environ["MTPSERVE_SKINNY_TABLE"]))

@@ -1,0 +1,99 @@
+"""linear_dispatch: cuBLAS unless measured slower; the DispatchedLinear module is nn.Linear to everything
+else (state dict, isinstance); the table round-trips; on CUDA the skinny path matches F.linear, a
+shape first seen inside a capture is not measured there, and a captured replay makes no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpserve.kernels import linear_dispatch as dispatch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatch():
+    """Each test starts from mode off and an empty table, and leaves them so."""
+    saved_mode, saved = dispatch.mode(), dispatch.table()
+    dispatch._table.clear()
+    dispatch.set_mode("off")
+    yield
+    dispatch.set_mode(saved_mode)
+    dispatch._table.clear()
+    dispatch._table.update(saved)
+
+
+def test_dispatched_linear_is_an_nn_linear_with_the_same_state():
+    torch.manual_seed(0)
+    plain = nn.Linear(24, 40, bias=True)
+    routed = dispatch.DispatchedLinear(24, 40, bias=True)
+    assert isinstance(routed, nn.Linear) and routed.state_dict().keys() == plain.state_dict().keys()
+    routed.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 5, 24)
+    for mode in dispatch.MODES:  # off CUDA every mode is F.linear
+        dispatch.set_mode(mode)
+        assert torch.equal(routed(x), plain(x))
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="expected one of"):
+        dispatch.set_mode("fast")
+
+
+def test_table_round_trips_and_decides(tmp_path):
+    key = dispatch.shape_key("GPU X", torch.bfloat16, 16, 4096, 4096)
+    assert key == "GPU X|bfloat16|m16|n4096|k4096"
+    wins = dispatch.Choice((64, 128, 2, 4, 4), 10.0, 12.0)
+    loses = dispatch.Choice((64, 128, 1, 4, 4), 13.0, 12.0)
+    path = tmp_path / "table.json"
+    dispatch.save_table(path, {key: wins, key + "x": loses})
+    dispatch._table.clear()
+    assert dispatch.load_table(path) == 2
+    assert dispatch.table() == {key: wins, key + "x": loses}
+    assert wins.skinny_wins and not loses.skinny_wins
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 7, 32, 100])
+def test_skinny_path_matches_f_linear_on_cuda(rows):
+    from mtpserve.kernels.skinny_gemm import m_bucket
+
+    torch.manual_seed(rows)
+    layer = dispatch.DispatchedLinear(512, 768, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x, layer.weight, layer.bias)
+    dispatch.set_mode("on")
+    out = layer(x)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    key = dispatch.shape_key(torch.cuda.get_device_name(), torch.bfloat16, m_bucket(rows), 768, 512)
+    assert key in dispatch.table(), "the first eager call measured the shape"
+
+
+@cuda
+def test_capture_does_not_measure_and_replay_makes_no_sync():
+    torch.manual_seed(0)
+    layer = dispatch.DispatchedLinear(256, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    dispatch.set_mode("on")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x)  # the warm-up the runners do: measures and compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    measured = dispatch.table()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+        unseen = layer(x[:1].expand(40, -1).contiguous())  # a new M bucket inside the capture
+    assert dispatch.table() == measured, "nothing is measured inside a capture"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(unseen, F.linear(x[:1], layer.weight).expand(40, -1), rtol=2e-2, atol=2e-2)
