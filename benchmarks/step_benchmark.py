@@ -20,6 +20,13 @@ step/floor. Bytes read: every target weight but the embedding table (rows are ga
 draft j the MTP module's weights and the shared LM head again (each draft is its own head matmul),
 plus the KV the target and each drafting module attend over. A torch.profiler table splits one
 verify step (--profile-batch, --profile-k) into its top kernels by self device time.
+
+One draft position (issue 12's third target): a step that verifies no draft and drafts one (window 1,
+chain 1: MTP module 0 over one row per request, the LM head, draft sampling) minus the k = 0 step of
+the same batch, against its own floor: module 0's weights + the LM head + module 0's KV.
+--skinny-gemm off,auto (a list) times every row once per linear dispatch mode
+(mtpserve/kernels/linear_dispatch.py), recapturing the graphs in between: an A/B in one run;
+--skinny-table loads a benchmarks/gemm_benchmark.py table first (else auto measures shapes itself).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Table, check, gb  # noqa: E402
 from lean_step import LeanStep  # noqa: E402
+from mtpserve.kernels import linear_dispatch  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -68,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled; the table is per step")
     p.add_argument("--top", type=int, default=15, help="rows of the profile table")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skinny-gemm", default="off",
+                   help="linear dispatch mode(s), comma-separated from off,on,auto: each row is timed per mode")
+    p.add_argument("--skinny-table", type=Path, default=None, help="gemm_benchmark.py --table-out JSON to load")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                          vocab=512, batches="1,4", context=64, iters=5, warmup=1, bandwidth_gb=0.1,
@@ -144,6 +155,7 @@ class Driver:
             freed = []
 
     def verify_step(self, k: int) -> None:
+        """Verify k drafts per request (k = 0 for requests that draft: window 1, the chain still runs)."""
         n = len(self.live)
         plan = StepPlan([], list(self.live), [1] * n, [k] * n, [[[] for _ in range(self.groups)] for _ in range(n)])
         result = self.runner.execute(plan)
@@ -164,6 +176,28 @@ def floor_bytes(model: LoadedModel, batch: int, k: int, context: int, dtype_size
     kv_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_size
     kv = batch * (context + k + 1) * kv_token_layer * (cfg.num_layers + len(modules))
     return weights, kv
+
+
+def draft_floor_bytes(model: LoadedModel, batch: int, context: int, dtype_size: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) of one draft position: MTP module 0, the LM head, module 0's KV."""
+    cfg = model.config
+    weights = nbytes(model.mtp.mtp[0]) + model.target.lm_head.weight.numel() * dtype_size
+    return weights, batch * (context + 1) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_size
+
+
+def use_gemm(runner: ModelRunner, mode: str) -> None:
+    """Switch the linear dispatch; graphs captured under another mode are dropped (they hold its kernels)."""
+    if linear_dispatch.mode() != mode:
+        linear_dispatch.set_mode(mode)
+        if runner.uniform is not None:
+            runner.uniform.graphs.clear()
+
+
+def time_step(driver: Driver, batch: int, spec: int, drafts: int, device: torch.device,
+              args: argparse.Namespace) -> list[float]:
+    """Prefill `batch` requests that draft `spec` tokens, then time steps verifying `drafts` each."""
+    driver.prefill(batch, spec, args.context, args.prefill_tokens)
+    return common.time_ms(lambda: driver.verify_step(drafts), device, args.warmup, args.iters)
 
 
 def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bool, device: torch.device,
@@ -208,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     check(max(ks) <= MAX_SPECULATIVE_TOKENS and min(ks) >= 0, "--drafts must be in [0, 8]")
     cfg = ModelConfig.from_dict(hf_config(args))
     torch.manual_seed(args.seed)
+    modes = [m.strip() for m in args.skinny_gemm.split(",") if m.strip()]
+    check(bool(modes) and all(m in linear_dispatch.MODES for m in modes), "--skinny-gemm: a list of off, on, auto")
+    if args.skinny_table is not None:
+        print(f"dispatch table: {linear_dispatch.load_table(args.skinny_table)} entries from {args.skinny_table}")
 
     bw = common.measure_bandwidth(device, int(args.bandwidth_gb * 1e9))
     model = build_model(cfg, dtype, device, args.seed)
@@ -223,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(model, RunnerConfig(blocks_per_req * max_batch, args.block_size, max_batch, len(model.mtp),
                                              "depth", 32), dtype, device)
     driver = Driver(runner, cfg, blocks_per_req, args.seed)
+    use_gemm(runner, modes[0])
 
     # Warm-up of every window shape once (Triton compiles per tile shape, the allocator grows, host
     # pages are first touched), so the first timed configuration pays for none of it.
@@ -232,34 +271,48 @@ def main(argv: list[str] | None = None) -> int:
             driver.verify_step(k)
 
     table = Table(f"verify step, context {args.context}, bandwidth {bw / 1e12:.2f} TB/s (copy)",
-                  ["batch", "k", "window", "step ms", "lean ms", "step/lean", "vs k=0", "weights GB", "KV GB",
+                  ["gemm", "batch", "k", "window", "step ms", "lean ms", "step/lean", "vs k=0", "weights GB", "KV GB",
                    "floor ms", "step/floor", "tok/s @AL=k+1"])
     lean_table = Table("same-run lean reference (plain PyTorch, dense KV, SDPA, one CUDA graph each)",
                        ["batch", "verify w=1 ms", "verify w=k+1 ms (k=max)", "draft step ms"])
+    draft_table = Table("one draft position: step(window 1, chain 1) - step(k=0), i.e. MTP module 0 over one row "
+                        "per request + LM head + draft sampling; floor = module 0 + LM head + module 0's KV",
+                        ["gemm", "batch", "draft ms", "lean draft ms", "draft/lean", "weights GB", "KV GB",
+                         "floor ms", "draft/floor"])
     for batch in batches:
-        base = None
         lean_draft = lean_ms(model, batch, args.context, 1, True, device, args)
         lean_verify = {k: lean_ms(model, batch, args.context, k + 1, False, device, args) for k in ks}
         lean_table.add(str(batch), lean_verify[min(ks)], lean_verify[max(ks)], lean_draft)
-        for k in ks:
-            driver.prefill(batch, k, args.context, args.prefill_tokens)
-            times = common.time_ms(lambda: driver.verify_step(k), device, args.warmup, args.iters)
-            ms = common.median(times)
-            base = ms if k == 0 else base
-            lean = lean_verify[k] + k * lean_draft
-            w, kv = floor_bytes(model, batch, k, args.context, dsize)
-            floor_ms = (w + kv) / bw * 1e3
-            table.add(str(batch), str(k), str(k + 1), ms, lean, ms / lean, ms / base if base else None,
-                      gb(w), gb(kv), floor_ms, ms / floor_ms, f"{batch * (k + 1) / ms * 1e3:.0f}")
-            print(f"batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
-                  f"floor {floor_ms:.2f} ms")
+        for mode in modes:
+            use_gemm(runner, mode)
+            base = None
+            for k in ks:
+                times = time_step(driver, batch, k, k, device, args)
+                ms = common.median(times)
+                base = ms if k == 0 else base
+                lean = lean_verify[k] + k * lean_draft
+                w, kv = floor_bytes(model, batch, k, args.context, dsize)
+                floor_ms = (w + kv) / bw * 1e3
+                table.add(mode, str(batch), str(k), str(k + 1), ms, lean, ms / lean, ms / base if base else None,
+                          gb(w), gb(kv), floor_ms, ms / floor_ms, f"{batch * (k + 1) / ms * 1e3:.0f}")
+                print(f"[{mode}] batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
+                      f"floor {floor_ms:.2f} ms")
+            if len(model.mtp):
+                base = base if base is not None else common.median(time_step(driver, batch, 0, 0, device, args))
+                draft = common.median(time_step(driver, batch, 1, 0, device, args)) - base
+                w, kv = draft_floor_bytes(model, batch, args.context, dsize)
+                floor_ms = (w + kv) / bw * 1e3
+                draft_table.add(mode, str(batch), draft, lean_draft, draft / lean_draft, gb(w), gb(kv), floor_ms,
+                                draft / floor_ms)
+                print(f"[{mode}] batch {batch:3d} one draft position: {draft:.3f} ms, floor {floor_ms:.3f} ms")
 
-    tables = [table, lean_table]
+    tables = [table, lean_table] + ([draft_table] if len(model.mtp) else [])
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
         for _ in range(args.warmup):
             driver.verify_step(args.profile_k)
         tables.append(profile_table(driver, device, args.profile_k, args.profile_steps, args.top))
+        tables[-1].title += f"; linear dispatch {linear_dispatch.mode()}"
 
     notes = [f"target: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
              f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
@@ -267,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
              f"measured copy bandwidth {bw / 1e12:.3f} TB/s ((read + write) / time, {args.bandwidth_gb:g} GB copy)",
              f"step = median of {args.iters} after {args.warmup} warm-up; lean = lean verify (k+1 tokens) + k lean "
              "draft steps, timed in this run; tok/s @AL=k+1 is the ceiling if every draft were accepted",
-             "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth"]
+             "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth",
+             f"gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: {args.skinny_gemm}"
+             + (f", table {args.skinny_table}" if args.skinny_table else "")]
     common.report(args, "step_benchmark", device, tables, notes)
     return 0
 
