@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -130,7 +131,6 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             warmup_ms: float = 2.0, rep_ms: float = 10.0) -> Choice:
     """Time F.linear and every candidate config (median, L2 flushed before each call); syncs the device."""
-    import triton
     from triton.testing import do_bench
 
     from mtpserve.kernels.skinny_gemm import candidate_configs, num_sms, skinny_gemm
@@ -145,7 +145,8 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
         try:
             us = time_us(lambda: skinny_gemm(x, weight, bias, cfg))
-        except triton.runtime.errors.OutOfResources:  # too much shared memory for this GPU: skip it
+        except Exception as exc:  # e.g. OutOfResources (shared memory) on a smaller GPU: skip that config
+            warnings.warn(f"skinny_gemm config {cfg} failed for {tuple(weight.shape)} at M={rows}: {exc!r}")
             continue
         if best is None or us < best[0]:
             best = (us, tuple(cfg.as_list()))
