@@ -92,7 +92,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K, k_tiles,  # k_tiles: BLOCK_K tiles per split
     stride_xm, stride_wn, stride_ym, stride_ys,  # stride_ys: between splits' partials (PARTIAL only)
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -108,7 +108,10 @@ def _skinny_gemm_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         if EVEN_K:  # no K mask: the masks left are constant along K, so loads stay vectorised
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+            if EVEN_N:  # the weight stream (all of the traffic) unpredicated
+                w = tl.load(w_rows + ks[None, :])  # [BLOCK_N, BLOCK_K]
+            else:
+                w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
             xt = tl.load(x_cols + ks[:, None], mask=m_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
         else:
             k_mask = ks < k_hi
@@ -174,7 +177,7 @@ def skinny_gemm(
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, out, m, n, k, k_tiles,
         x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if partial else 0,
-        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

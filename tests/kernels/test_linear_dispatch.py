@@ -97,3 +97,22 @@ def test_capture_does_not_measure_and_replay_makes_no_sync():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(unseen, F.linear(x[:1], layer.weight).expand(40, -1), rtol=2e-2, atol=2e-2)
+
+
+def test_every_projection_of_target_and_modules_is_dispatched():
+    """The hook is in place: each matmul of a Llama target + MTP stack goes through the dispatch."""
+    from mtpserve.workers.models.config import ModelConfig
+    from mtpserve.workers.models.decoder import TargetModel
+    from mtpserve.workers.models.mtp import MTPStack
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 128, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1})
+    with torch.device("meta"):
+        target = TargetModel(cfg)
+        mtp = MTPStack(cfg, target.rotary)
+    linears = [m for model in (target, mtp) for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 2 * 4 + 1 + 4 + 1  # per block qkv, o, gate_up, down; LM head; eh_proj
+    assert all(type(m) is dispatch.DispatchedLinear for m in linears)
