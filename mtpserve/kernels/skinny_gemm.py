@@ -41,8 +41,9 @@ class SkinnyConfig:
         return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages]
 
 
-# The tile shapes tried per (M bucket, N, K): few on purpose, each one is a compile per M bucket.
-# (block_n, block_k, num_warps, num_stages); shared memory per stage stays <= 48 KB at BLOCK_M 64.
+# The tile shapes tried per (M bucket, N, K): few on purpose, each one is a compile per M tile (and per
+# split or not). (block_n, block_k, num_warps, num_stages); all stages of w and x tiles take at most
+# 192 KB of shared memory at BLOCK_M 64 (an H100 block may have 227 KB), 80 KB or less at BLOCK_M 16.
 TILES = ((64, 128, 4, 4), (128, 128, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3))
 
 
@@ -66,16 +67,20 @@ def split_for(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int) 
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
-    """Every tile, without split and with the split that fills the SMs (when that is more than 1)."""
+    """Every tile without split, with the split that fills the SMs, and with twice that: how many
+    programs fit an SM depends on the tile's shared memory, and a last wave that is mostly empty costs
+    as much as a full one, so which count wastes least is measured, not guessed. The split is a
+    runtime argument: it adds no compile beyond split-or-not."""
     out = []
     for bn, bk, warps, stages in TILES:
-        for split in sorted({1, split_for(m, n, k, bn, bk, num_sms)}):
-            out.append(SkinnyConfig(bn, bk, split, warps, stages))
+        fill = split_for(m, n, k, bn, bk, num_sms)
+        double = [2 * fill] if fill > 1 and triton.cdiv(k, 2 * fill * bk) >= 4 else []
+        out += [SkinnyConfig(bn, bk, split, warps, stages) for split in sorted({1, fill, *double})]
     return out
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
-    """Used where nothing was measured (CPU, tests, a shape first seen inside a capture)."""
+    """Used where nothing was measured (CPU runs, tests, a call without a config)."""
     bn, bk, warps, stages = TILES[0]
     return SkinnyConfig(bn, bk, split_for(m, n, k, bn, bk, num_sms), warps, stages)
 

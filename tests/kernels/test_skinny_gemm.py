@@ -103,5 +103,6 @@ def test_split_fills_the_sms_and_keeps_k_tiles():
     assert split_for(1, 128256, 4096, 64, 128, 132) == 1  # the LM head fills the GPU by itself
     assert split_for(1, 64, 256, 64, 128, 132) == 1  # too few K tiles to cut
     configs = candidate_configs(1, 4096, 4096, 132)
-    assert len(configs) == len(set(configs)) <= 8
-    assert {c.split for c in configs} >= {1, 2}
+    assert len(configs) == len(set(configs)) <= 12
+    assert {c.split for c in configs} == {1, 2, 4, 8}  # 8: twice the 4 that fills the SMs with strips of 64
+    assert {c.split for c in candidate_configs(1, 128256, 4096, 132)} == {1}
