@@ -47,6 +47,19 @@ def _fp8_gemm_kernel(
 _INTERPRETED = not isinstance(_fp8_gemm_kernel, triton.runtime.jit.JITFunction)
 
 
+def check_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """Raise ValueError unless weight [..., M, K] is float8_e4m3fn, x's K matches, scale_inv is
+    [..., ceil(M/BM), ceil(K/BK)] and the blocks are powers of two >= 16 (also the grouped FP8 GEMM's check)."""
+    *lead, m, k = weight.shape
+    if x.shape[-1] != k or tuple(scale_inv.shape) != (*lead, triton.cdiv(m, block[0]), triton.cdiv(k, block[1])):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and scale_inv "
+                         f"{tuple(scale_inv.shape)} disagree for blocks {block}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
+    if any(b < 16 or b & (b - 1) for b in block):
+        raise ValueError(f"quantisation block {block}: each side must be a power of two >= 16")
+
+
 def fp8_linear(
     x: torch.Tensor,  # [N, K]
     weight: torch.Tensor,  # [M, K] float8_e4m3fn
@@ -56,15 +69,9 @@ def fp8_linear(
     block_m: int = 64,
 ) -> torch.Tensor:
     """x @ dequantised(weight)^T -> [N, M] in x's dtype."""
-    (n, k), (m, w_k) = x.shape, weight.shape
+    (n, k), (m, _) = x.shape, weight.shape
     quant_m, quant_k = block
-    if w_k != k or scale_inv.shape != (triton.cdiv(m, quant_m), triton.cdiv(k, quant_k)):
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and scale_inv "
-                         f"{tuple(scale_inv.shape)} disagree for blocks {block}")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
-    if any(b < 16 or b & (b - 1) for b in block):
-        raise ValueError(f"quantisation block {block}: each side must be a power of two >= 16")
+    check_fp8(x, weight, scale_inv, block)
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a unit stride along K")
     y = torch.empty(n, m, dtype=x.dtype, device=x.device)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mtpserve.errors import CheckpointError
-from mtpserve.workers.models import fp8
+from mtpserve.workers.models import fp8, fp8_linear
 from mtpserve.workers.models.config import FP8Config, ModelConfig
 from mtpserve.workers.models.decoder import TargetModel
 from mtpserve.workers.models.mtp import MTPStack
@@ -46,11 +46,16 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
-               keep: Callable[[str], bool] | None = None) -> LoadedModel:
+               keep: Callable[[str], bool] | None = None, serve_fp8: bool | None = None) -> LoadedModel:
     """Load every tensor, or (with `keep`) only the parameters whose names it accepts ("embed_tokens.weight",
     "layers.0....", "mtp.1...."): the others stay on the meta device, so a drafter process can hold its MTP
-    modules without the target's layers. The whole checkpoint is checked either way."""
-    loader = CheckpointLoader(path, dtype, device)
+    modules without the target's layers. The whole checkpoint is checked either way.
+
+    `serve_fp8` (default: on CUDA devices) keeps a block-scaled FP8 checkpoint's weights in FP8
+    (models/fp8_linear.py); otherwise they are dequantised to `dtype` as they load."""
+    if serve_fp8 is None:
+        serve_fp8 = torch.device(device).type == "cuda"
+    loader = CheckpointLoader(path, dtype, device, serve_fp8)
     loader.load(keep, device)
     return loader.model
 
@@ -59,10 +64,11 @@ class CheckpointLoader:
     """A checked checkpoint and its model built on the meta device, loaded a part at a time.
 
     Tensor parallelism loads this way: one layer on the host, shard it, move the shard to the device,
-    next layer; so a rank never holds the whole model, on the device or on the host.
+    next layer; so a rank never holds the whole model, on the device or on the host. It dequantises FP8
+    (serve_fp8=False): the tensor-parallel pass shards plain linears only.
     """
 
-    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device | str, serve_fp8: bool = False) -> None:
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
@@ -71,10 +77,16 @@ class CheckpointLoader:
         specs = target_specs(cfg) + mtp_specs(cfg)
         _check(cfg, specs, self.index)
         self.present = [s for s in specs if s.ckpt_name in self.index]
+        self.fp8_params: set[str] = set()  # parameters kept in FP8
         with torch.device("meta"), _default_dtype(dtype):
             target = TargetModel(cfg)
             mtp = MTPStack(cfg, target.rotary)
             _add_module_copies(cfg, mtp, self.present)
+            if serve_fp8 and cfg.fp8 is not None:
+                scaled = {s.ckpt_name for s in self.present if fp8.scale_name(s.ckpt_name) in self.index}
+                self.fp8_params = fp8_linear.servable(self.present, scaled, cfg.fp8.block)
+                fp8_linear.swap_in(target, {p for p in self.fp8_params if not p.startswith("mtp.")}, cfg.fp8.block)
+                fp8_linear.swap_in(mtp, {p for p in self.fp8_params if p.startswith("mtp.")}, cfg.fp8.block)
         target.rotary.to_empty(device=device)
         target.rotary.reset()
         self.model = LoadedModel(cfg, target.eval(), mtp.eval())
@@ -92,7 +104,8 @@ class CheckpointLoader:
             specs = [s for s in self.present if keep(s.param)]
         if cfg.tie_word_embeddings and (keep is None or keep("embed_tokens.weight")):
             target.lm_head.weight = target.embed_tokens.weight
-        _copy_weights(self.path, self.index, specs, {**_params(target, ""), **_params(mtp, "")}, cfg.fp8)
+        _copy_weights(self.path, self.index, specs, {**_params(target, ""), **_params(mtp, "")}, cfg.fp8,
+                      self.fp8_params)
 
 
 def _materialize(params: dict[str, torch.Tensor], target: nn.Module, mtp: nn.Module, keep: Callable[[str], bool],
@@ -165,6 +178,7 @@ def _copy_weights(
     specs: list[WeightSpec],
     params: dict[str, torch.Tensor],
     fp8_cfg: FP8Config | None,
+    fp8_params: set[str],
 ) -> None:
     by_file: dict[str, list[WeightSpec]] = {}
     for spec in specs:
@@ -172,6 +186,12 @@ def _copy_weights(
     for name, file_specs in by_file.items():
         with safe_open(path / name, framework="pt") as f:
             for spec in file_specs:
+                if spec.param in fp8_params:  # kept as FP8: the tensor and its scales as they are
+                    assert fp8_cfg is not None
+                    scale = _read(path, index, fp8.scale_name(spec.ckpt_name), name, f)
+                    fp8_linear.copy_fp8(params[spec.param], params[spec.param + fp8.SCALE_SUFFIX], spec,
+                                        f.get_tensor(spec.ckpt_name), scale, fp8_cfg.block)
+                    continue
                 dst = params[spec.param]
                 if spec.index is not None:
                     dst = dst[spec.index]

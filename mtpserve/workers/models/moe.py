@@ -55,6 +55,7 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, moe: MoEConfig) -> None:
         super().__init__()
         inter = moe.intermediate_size
+        self.moe = moe
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, inter))  # [E, H, I]
 
@@ -73,11 +74,14 @@ class Experts(nn.Module):
         # index_add, not bincount: bincount reads the largest id back to the host on CUDA.
         counts = torch.zeros(num_local + 1, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
         offsets = F.pad(torch.cumsum(counts[:-1], 0), (1, 0))
-        gemm = _grouped_gemm(x)
-        gate, up = gemm(x[token], self.gate_up_proj, offsets).chunk(2, dim=-1)
-        out = gemm(F.silu(gate) * up, self.down_proj, offsets)
+        gate, up = self.matmul(x[token], "gate_up_proj", offsets).chunk(2, dim=-1)
+        out = self.matmul(F.silu(gate) * up, "down_proj", offsets)
         out = out * (weights * inside).reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def matmul(self, rows: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        """rows [N, K] sorted by expert through the stacked weight `name` -> [N, M] (FP8Experts overrides it)."""
+        return _grouped_gemm(rows)(rows, getattr(self, name), offsets)
 
 
 class MoE(nn.Module):
