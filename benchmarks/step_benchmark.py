@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skinny-gemm", default="off",
                    help="linear dispatch mode(s), comma-separated from off,on,auto: each row is timed per mode")
     p.add_argument("--skinny-table", type=Path, default=None, help="gemm_benchmark.py --table-out JSON to load")
+    p.add_argument("--shape", choices=("llama8b", "glm45-air", "dsv3"), default="llama8b",
+                   help="llama8b (the size flags above), or an FP8 MoE slice of GLM-4.5-Air / DeepSeek-V3 "
+                        "(benchmarks/moe_shapes.py: real widths, 4 layers + 1 MTP module; size flags and --mtp unused)")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                          vocab=512, batches="1,4", context=64, iters=5, warmup=1, bandwidth_gb=0.1,
@@ -236,6 +239,10 @@ def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.shape != "llama8b":
+        import moe_shapes  # it builds on this module's driver and profile table
+
+        return moe_shapes.main(args)
     device = common.pick_device(args.device, args.tiny)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches, ks = common.parse_ints(args.batches), sorted(set(common.parse_ints(args.drafts)))

@@ -78,7 +78,7 @@ class CheckpointLoader:
         _check(cfg, specs, self.index)
         self.present = [s for s in specs if s.ckpt_name in self.index]
         self.fp8_params: set[str] = set()  # parameters kept in FP8
-        with torch.device("meta"), _default_dtype(dtype):
+        with torch.device("meta"), default_dtype(dtype):
             target = TargetModel(cfg)
             mtp = MTPStack(cfg, target.rotary)
             _add_module_copies(cfg, mtp, self.present)
@@ -215,7 +215,7 @@ def _read(path: Path, index: Index, tensor: str, open_name: str, open_file: Any)
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
