@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import sys
 import tempfile
 import time
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--prefill-hold-steps", type=int, default=4)
     p.add_argument("--torch-profile", action="store_true", help="also a torch.profiler table (inflates host time)")
+    p.add_argument("--python-profile", action="store_true",
+                   help="also the top Python functions by cumulative time (cProfile; inflates host time)")
     return p.parse_args(argv)
 
 
@@ -91,7 +95,8 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int, c: int, args: arg
     timer.reset()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities) if args.torch_profile else contextlib.nullcontext()
-    with prof:
+    py_prof = cProfile.Profile() if args.python_profile else None
+    with prof, (py_prof or contextlib.nullcontext()):
         t0 = time.perf_counter()
         run = workloads.drive(engine, jobs, c, f"k{k}c{c}")
         wall = time.perf_counter() - t0
@@ -101,6 +106,8 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int, c: int, args: arg
     print(f"\n== k={k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, {steps} steps, "
           f"{wall / steps * 1e3:.3f} ms/step ({phases} ms/step), uniform {runs} (replayed {replays}), "
           f"overlapped {engine.num_overlapped_steps - overlapped0}")
+    if py_prof is not None:
+        pstats.Stats(py_prof).sort_stats("cumulative").print_stats(args.top)
     if not args.torch_profile:
         return
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"

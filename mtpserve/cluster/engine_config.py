@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True  # replay whole uniform steps (or, with a drafter group, the target) as CUDA graphs
     capture_graphs_at_start: bool = True  # k=0 and the default k, every batch bucket; False: on first use only
+    prefill_step_rows: int = 4096  # prompt chunks run as fixed-shape (graphed) steps up to this many padded rows; 0: off
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
     async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA, in-process
     enable_prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes, in every KV group
@@ -65,6 +66,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_m", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.prefill_step_rows < 0:
+            raise ValueError(f"prefill_step_rows: must be >= 0, got {self.prefill_step_rows}")
         if self.prefill_hold_steps < 0:
             raise ValueError(f"prefill_hold_steps: must be >= 0, got {self.prefill_hold_steps}")
         if self.drafter_devices < 0:
@@ -132,7 +135,8 @@ class ResolvedConfig:
         return RunnerConfig(self.num_blocks, c.block_size, c.max_num_seqs, self.num_mtp_modules, c.mtp_chain,
                             c.draft_top_m, cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1,
                             max_model_len=self.max_model_len, uniform_steps=c.uniform_steps,
-                            capture_at_start=(0, self.default_num_spec) if c.capture_graphs_at_start else ())
+                            capture_at_start=(0, self.default_num_spec) if c.capture_graphs_at_start else (),
+                            prefill_step_rows=c.prefill_step_rows)
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

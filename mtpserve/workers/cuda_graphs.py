@@ -30,7 +30,7 @@ buffers, so the padding logic is tested on CPU bit for bit against the eager pat
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from mtpserve.workers.state import CachedRequest
 
 MAX_WINDOW = 1 + MAX_SPECULATIVE_TOKENS
 WARMUP_RUNS = 2  # before capture: Triton compiles, cuBLAS picks its kernels, the allocator settles
+T = TypeVar("T")
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -51,6 +52,22 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
         sizes += [b, b * 3 // 2]
         b *= 2
     return tuple(s for s in sizes if s < max_num_seqs) + (max_num_seqs,)
+
+
+def capture_graph(fn: Callable[[], T], pool: tuple[int, int] | None, device: torch.device
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm fn up on a side stream, then capture it into a graph of `pool` -> (graph, fn's static output)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):  # Triton compiles, cuBLAS picks kernels, the allocator settles
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA calls (a server's event loop) must not abort the capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class StaticStep:
@@ -115,16 +132,7 @@ class StaticStep:
         if device.type != "cuda":
             return  # replay calls fn eagerly on the static buffers
         self.load([], np.zeros(0, dtype=np.int64), None)  # all rows padding: warm-up and capture write no KV
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a server's event loop) must not abort the capture.
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = fn()
+        self.graph, self.out = capture_graph(fn, pool, device)
 
     def replay(self, num_reqs: int) -> torch.Tensor:
         """-> hidden states of the real requests' rows, [num_reqs * window, hidden]."""

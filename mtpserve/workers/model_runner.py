@@ -26,6 +26,8 @@ from mtpserve.workers.cuda_graphs import TargetGraphs
 from mtpserve.workers.device import to_device
 from mtpserve.workers.drafter import Drafter, TargetRows
 from mtpserve.workers.kv_cache import KVPools
+from mtpserve.workers.prefill_graphs import PrefillGraphs, finish_prefill
+from mtpserve.workers.prefill_step import PrefillStep
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify
 from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
@@ -52,6 +54,9 @@ class RunnerConfig:
     # Numbers of drafts whose uniform-step graphs (greedy and plain sampling) are captured for every batch
     # bucket when the runner starts, so that the first requests do not wait on compiles and captures.
     capture_at_start: tuple[int, ...] = ()
+    # Prompt chunks whose modules are aligned run as fixed-shape prefill steps (graphed on CUDA) while the
+    # padded step holds at most this many rows; 0 sends every chunk through the general path.
+    prefill_step_rows: int = 0
 
 
 class RemoteDrafts(Protocol):
@@ -81,12 +86,17 @@ class ModelRunner:
         graphs = config.cuda_graphs and device.type == "cuda"
         self.diffs: StateDiffs | None = None
         self.uniform: UniformGraphs | None = None
+        self.prefill: PrefillGraphs | None = None
         if remote is None and config.uniform_steps:
             groups, max_blocks = 1 + local_modules, -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // config.block_size)
             state = DeviceState(config.max_num_seqs, groups, max_blocks, config.block_size, self.vocab, device)
             self.diffs = StateDiffs(config.max_num_seqs, groups, max_blocks, config.block_size)
             step = UniformStep(model, self.kv, self.slots, state, config.chain_mode, config.draft_top_m, local_modules)
             self.uniform = UniformGraphs(step, state, config.max_num_seqs, device, graphs, config.pad_uniform_steps)
+            if config.prefill_step_rows > 0:
+                prefill = PrefillStep(model, self.kv, self.slots, state, step, local_modules, config.chain_mode)
+                self.prefill = PrefillGraphs(prefill, state, config.max_num_seqs, config.prefill_step_rows,
+                                             local_modules, device, graphs)
         # Without uniform steps (a drafter group holds the chain), graphs cover the target forward only.
         self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
                                    device) if graphs and self.uniform is None else None
@@ -97,7 +107,7 @@ class ModelRunner:
     def on_capture(self, listener: Callable[[], None]) -> None:
         """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and
         a worker tells its driver so (the step timeout must not take it for a hang)."""
-        for graphs in (self.uniform, self.graphs):
+        for graphs in (self.uniform, self.prefill, self.graphs):
             if graphs is not None:
                 graphs.on_capture = listener
 
@@ -116,12 +126,15 @@ class ModelRunner:
         fast = self._at_frontier(reqs, plan)
         if all(fast):
             return self._launch_uniform(reqs, plan)
-        if not any(fast):
-            return self._run_general(reqs, plan)
-        # Prefill chunks joined: the requests at their frontier still take the uniform step, and only
-        # the others the general path (two target passes, but decode never waits on host planning).
-        return _merged(self.wait(self._launch_uniform(*_subset(reqs, plan, fast, True))),
-                       self._run_general(*_subset(reqs, plan, fast, False)))
+        # Prefill chunks joined: the requests at their frontier still take the uniform step, aligned
+        # chunks a prefill step, and only the rest the general path (decode never waits on host planning).
+        uniform = self._launch_uniform(*_subset(reqs, plan, fast, True)) if any(fast) else None
+        reqs, plan = _subset(reqs, plan, fast, False)
+        chunks = self.prefill.takes(reqs, plan) if self.prefill is not None else [False] * len(reqs)
+        result = self._run_prefill(*_subset(reqs, plan, chunks, True)) if any(chunks) else StepResult()
+        if not all(chunks):
+            result = _merged(result, self._run_general(*_subset(reqs, plan, chunks, False)))
+        return result if uniform is None else _merged(self.wait(uniform), result)
 
     def wait(self, handle: "PendingStep | StepResult") -> StepResult:
         return self._finish_uniform(handle) if isinstance(handle, PendingStep) else handle
@@ -144,6 +157,15 @@ class ModelRunner:
         if self.diffs is not None:  # the device-resident state follows the tokens this step produced
             for req_id in result.req_ids:
                 self.diffs.tokens(self.requests[req_id].slot, self.requests[req_id].token_ids)
+        return result
+
+    def _run_prefill(self, reqs: list[CachedRequest], plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        packed, raw = self.prefill.run(reqs, plan.num_tokens, self.diffs)
+        host = self._to_host(reqs, packed, raw)  # the step's one wait
+        result = finish_prefill(reqs, plan.num_tokens, host, self.config.num_mtp_modules,
+                                lambda r, row: _logprob_dicts(row, 0, 0, r.params.logprobs))
+        result.target_seconds = time.perf_counter() - t0  # one graph: no phase split
         return result
 
     def _at_frontier(self, reqs: list[CachedRequest], plan: StepPlan) -> list[bool]:

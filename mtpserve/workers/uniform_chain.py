@@ -44,7 +44,7 @@ class UniformChain:
         drafts = torch.zeros(batch, k, dtype=torch.long, device=dev)
         q_ids = torch.zeros(batch, k, self.top_m, dtype=torch.long, device=dev)
         q_probs = torch.zeros(batch, k, self.top_m, dtype=torch.float32, device=dev)
-        sampler = _DraftSampler(self, slots, seq_len + accepted + 1, samp, shape.flags)
+        sampler = DraftSampler(self, slots, seq_len + accepted + 1, samp, shape.flags)
         num_spec = self.state.num_spec[slots]
         carry, prev, last = [], target_rows, None
         for j, step in enumerate(chain_steps(k, self.num_modules, self.mode)):
@@ -66,7 +66,7 @@ class UniformChain:
                 g = self.mtp(m, drafts[:, j - 1], last, pos.reshape(-1), meta, self.kv[m], self.embed)
                 last = self.mtp.next_hidden(m, g)
             drafts[:, j], q_ids[:, j], q_probs[:, j] = sampler(j, self.mtp.logits(m, g, self.head))
-        self._store(slots, drafts, q_ids, q_probs, carry, shape.flags.all_greedy)
+        self.store(slots, drafts, q_ids, q_probs, carry, shape.flags.all_greedy)
 
     @staticmethod
     def _module_tokens(emitted: torch.Tensor, accepted: torch.Tensor, drafts: torch.Tensor, q: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ class UniformChain:
         from_drafts = drafts.gather(1, (j - accepted[:, None] - 1).clamp(min=0, max=drafts.shape[1] - 1))
         return torch.where(j <= accepted[:, None], from_emitted, from_drafts)
 
-    def _store(self, slots: torch.Tensor, drafts: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
+    def store(self, slots: torch.Tensor, drafts: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                carry: list[tuple[int, torch.Tensor, torch.Tensor]], all_greedy: bool) -> None:
         """Write drafts and carries into the slots after the chain: module m + 1 read the old carry of m."""
         b, k = self.buffers, drafts.shape[1]
@@ -89,7 +89,7 @@ class UniformChain:
             b.carry[slots, m] = torch.where(used[:, None], rows, b.carry[slots, m])
 
 
-class _DraftSampler:
+class DraftSampler:
     """Samples draft j of every row with the request's own transform (penalties see earlier drafts)."""
 
     def __init__(self, chain: UniformChain, slots: torch.Tensor, frontier: torch.Tensor, samp: SamplingTensors,

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from mtpserve.workers.cuda_graphs import WARMUP_RUNS, batch_buckets
+from mtpserve.workers.cuda_graphs import batch_buckets, capture_graph
 from mtpserve.workers.slot_state import DeviceState, StateDiffs
 from mtpserve.workers.uniform_step import StepShape, UniformStep
 
@@ -81,15 +81,6 @@ class UniformGraphs:
             self.on_capture()
         slots = torch.full((batch,), self.state.pad_slot, dtype=torch.int64, device=self.device)
         num_drafts = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):  # Triton compiles, cuBLAS picks kernels, the allocator settles
-                self.step(slots, num_drafts, shape)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a server's event loop) must not abort the capture.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.step(slots, num_drafts, shape)
+        graph, out = capture_graph(lambda: self.step(slots, num_drafts, shape), self.pool, self.device)
         g = self.graphs[(batch, shape)] = _Graph(slots, num_drafts, graph, out)
         return g

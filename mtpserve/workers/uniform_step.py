@@ -54,14 +54,14 @@ class UniformStep:
         hidden = self.target(ids.reshape(-1), pos.reshape(-1), meta, self.kv.target)  # [B*w, H]
         raw = self.target.logits(hidden)  # [B*w, V] fp32
         samp = st.sampling(slots, shape.flags)
-        tokens, accepted = self._verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
+        tokens, accepted = self.verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
         self._commit(slots, seq_len, accepted, tokens, shape.flags)
         if self.chain is not None and shape.chain > 0:
             rows = hidden if self.hidden_pre_norm else self.target.norm(hidden)
             self.chain(slots, seq_len, accepted, tokens, rows.view(len(slots), w, -1), shape, samp)
         return torch.cat((accepted[:, None], tokens), dim=1), raw
 
-    def _verify(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor, drafts: torch.Tensor,
+    def verify(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor, drafts: torch.Tensor,
                 num_drafts: torch.Tensor, seq_len: torch.Tensor, flags: SamplingFlags
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (tokens [B, w]: accepted drafts, then the emitted token at index a; accepted a [B])."""

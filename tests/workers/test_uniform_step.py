@@ -9,7 +9,9 @@ both chain modes, padding to batch buckets, and (on a GPU) CUDA-graph replay wit
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -113,6 +115,16 @@ def test_state_diffs_keep_the_last_write_to_each_index() -> None:
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
+@contextlib.contextmanager
+def sync_errors() -> Iterator[None]:
+    """Any host-device synchronisation inside raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @cuda
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["greedy", "top_p", "penalties"])
@@ -141,11 +153,8 @@ def test_a_captured_step_makes_no_host_sync(partly_trained: Path) -> None:
         bucket = next(b for b in runner.uniform.buckets if b >= len(slots))
         if (bucket, shape) not in runner.uniform.graphs:  # capturing synchronises by design
             return inner(slots, num_drafts, shape, diffs)
-        torch.cuda.set_sync_debug_mode("error")  # any host-device sync in the step raises
-        try:
+        with sync_errors():
             out = inner(slots, num_drafts, shape, diffs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         checked.append(shape)
         return out
 
