@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--prefill-hold-steps", type=int, default=4)
+    p.add_argument("--prefill-step-rows", type=int, default=None, help="EngineConfig.prefill_step_rows (0: off)")
     p.add_argument("--torch-profile", action="store_true", help="also a torch.profiler table (inflates host time)")
     p.add_argument("--python-profile", action="store_true",
                    help="also the top Python functions by cumulative time (cProfile; inflates host time)")
@@ -65,7 +66,8 @@ class PhaseTimer:
         runner = getattr(ex, "runner", None)  # in-process: the parts of a uniform step's launch and read
         for owner, attr, name in ((runner, "_launch_uniform", "  uniform launch"),
                                   (getattr(runner, "uniform", None), "run", "    pack+graph"),
-                                  (runner, "_finish_uniform", "  uniform read"), (runner, "_run_general", "  general")):
+                                  (runner, "_finish_uniform", "  uniform read"), (runner, "_run_general", "  general"),
+                                  (runner, "_run_prefill", "  prefill")):
             if owner is not None and hasattr(owner, attr):
                 setattr(owner, attr, self._timed(getattr(owner, attr), name))
 
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         model = workloads.resolve_model(args.model, False, Path(tmp))
         engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype,
                                         max_num_seqs=max(concurrency),
-                                        prefill_hold_steps=args.prefill_hold_steps))
+                                        prefill_hold_steps=args.prefill_hold_steps,
+                                        **({} if args.prefill_step_rows is None else
+                                           {"prefill_step_rows": args.prefill_step_rows})))
         timer = PhaseTimer(engine)
         prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
         for c in concurrency:

@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per cell = this x concurrency ...")
     p.add_argument("--min-requests", type=int, default=8, help="... but at least this many")
     p.add_argument("--no-capture-at-start", action="store_true", help="EngineConfig.capture_graphs_at_start=False")
+    p.add_argument("--prefill-step-rows", type=int, default=None,
+                   help="EngineConfig.prefill_step_rows (default: the engine's; 0: prompts take the general path)")
     p.add_argument("--prefill-hold-steps", type=int, default=None,
                    help="EngineConfig.prefill_hold_steps (default: the engine's)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -156,6 +158,8 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
     model = workloads.resolve_model(args.model, args.tiny, tmp)
     hold = {} if args.prefill_hold_steps is None else {"prefill_hold_steps": args.prefill_hold_steps}
     hold["capture_graphs_at_start"] = not args.no_capture_at_start
+    if args.prefill_step_rows is not None:
+        hold["prefill_step_rows"] = args.prefill_step_rows
     engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype, max_num_seqs=max_seqs,
                                     seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens,
                                     **hold))
