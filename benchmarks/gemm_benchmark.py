@@ -6,14 +6,15 @@
 
 For every projection a step runs (fused qkv, o, fused gate/up, down, LM head, an MTP module's eh_proj)
 and every M in --rows (a decode or verify batch's rows): the skinny config is picked per M bucket by
-the dispatch's own measurement (mtpserve/kernels/linear_dispatch.py: every tile config, L2 flushed),
-then cuBLAS and that config are timed in one CUDA graph of --calls products each, cycling through
-enough copies of the weight that none stays in the 50 MB L2 (a real step never finds a weight there).
+timing every candidate config (skinny_gemm.candidate_configs) at the bucket's largest M, then cuBLAS
+and that config are timed at every M; each timing is one CUDA graph of --calls products cycling
+through enough copies of the weight that none stays in the 50 MB L2 (a real step never finds a
+weight there), so kernels run back to back as in a step's graph.
 floor = (bytes of w + x + y) / bandwidth measured here by a large device-to-device copy, as
 step_benchmark.py measures it. --table-out writes the winner per (device, dtype, M bucket, N, K), the
 sum over the bucket's M rows, as JSON that MTPSERVE_SKINNY_TABLE (or step_benchmark --skinny-table)
-loads. On CPU (--tiny) the kernel runs under TRITON_INTERPRET=1 with its default config: a smoke run
-of the script, not a timing.
+loads. On CPU (--tiny) the kernel runs under TRITON_INTERPRET=1, eagerly: a smoke run of the script,
+not a timing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -31,6 +32,9 @@ import common  # noqa: E402
 from common import Table, check  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+if TYPE_CHECKING:
+    from mtpserve.kernels.skinny_gemm import SkinnyConfig
 
 L2_FLUSH_BYTES = 256 << 20  # weight copies per graph add up to at least this: 5x an H100's L2
 
@@ -80,46 +84,55 @@ def weight_copies(n: int, k: int, dtype: torch.dtype, device: torch.device, tiny
     return [torch.randn(n, k, device=device, dtype=dtype) / math.sqrt(k) for _ in range(copies)]
 
 
-def bucket_configs(xs: dict[int, torch.Tensor], w: torch.Tensor, device: torch.device):
-    """M bucket -> (skinny config, the dispatch's own do_bench Choice) measured at the bucket's largest M."""
-    from mtpserve.kernels import linear_dispatch as dispatch
-    from mtpserve.kernels.skinny_gemm import default_config, m_bucket, num_sms
+def over_copies(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor], calls: int) -> list[Callable[[], object]]:
+    """`calls` (at least one per copy) products cycling through the weight copies."""
+    return [lambda w=ws[i % len(ws)]: fn(w) for i in range(max(calls, len(ws)))]
+
+
+def bucket_configs(xs: dict[int, torch.Tensor], ws: list[torch.Tensor], device: torch.device,
+                   args: argparse.Namespace) -> dict[int, SkinnyConfig]:
+    """M bucket -> the fastest candidate config at the bucket's largest M, timed as the rows are."""
+    from mtpserve.kernels.skinny_gemm import candidate_configs, m_bucket, num_sms, skinny_gemm
 
     out = {}
     for m in sorted(xs, reverse=True):
-        b = m_bucket(m)
+        b, (n, k) = m_bucket(m), ws[0].shape
         if b in out:
             continue
-        if device.type == "cuda":
-            choice = dispatch.measure(xs[m], w)
-            check(bool(choice.config), f"no skinny config compiled for {tuple(w.shape)} at M={m}")
-            out[b] = choice.config
-        else:
-            out[b] = tuple(default_config(m, *w.shape, num_sms(device)).as_list())
+        best = None
+        for cfg in candidate_configs(m, n, k, num_sms(device)):
+            try:  # a failing config fails in the eager warm-up run, before any capture
+                us = per_call_us(over_copies(lambda w, c=cfg: skinny_gemm(xs[m], w, config=c), ws, args.calls),
+                                 device, args.warmup, args.iters)
+            except Exception as exc:  # e.g. OutOfResources (shared memory) on a smaller GPU
+                print(f"config {cfg.as_list()} skipped for {(n, k)} at M={m}: {exc!r}")
+                continue
+            best = (us, cfg) if best is None or us < best[0] else best
+        check(best is not None, f"no skinny config ran for {(n, k)} at M={m}")
+        out[b] = best[1]
     return out
 
 
 def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: torch.dtype, device: torch.device,
                 args: argparse.Namespace, table: Table, entries: dict) -> None:
     from mtpserve.kernels import linear_dispatch as dispatch
-    from mtpserve.kernels.skinny_gemm import SkinnyConfig, m_bucket, skinny_gemm
+    from mtpserve.kernels.skinny_gemm import m_bucket, skinny_gemm
     from mtpserve.kernels.skinny_gemm_ref import skinny_gemm_ref
 
     ws = weight_copies(n, k, dtype, device, args.tiny)
     xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in rows}
-    configs = bucket_configs(xs, ws[0], device)
+    configs = bucket_configs(xs, ws, device, args)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     size = torch.finfo(dtype).bits // 8
     for m in rows:
-        x, cfg = xs[m], SkinnyConfig(*configs[m_bucket(m)])
+        x, cfg = xs[m], configs[m_bucket(m)]
         out = skinny_gemm(x, ws[0], config=cfg)
         ref = skinny_gemm_ref(x, ws[0])
         check(torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item()),
               f"{name} M={m}: skinny_gemm disagrees with the reference")
-        picks = [ws[i % len(ws)] for i in range(max(args.calls, len(ws)))]
-        cublas = per_call_us([lambda w=w: F.linear(x, w) for w in picks], device, args.warmup, args.iters)
-        skinny = per_call_us([lambda w=w: skinny_gemm(x, w, config=cfg) for w in picks], device, args.warmup,
-                             args.iters)
+        cublas = per_call_us(over_copies(lambda w: F.linear(x, w), ws, args.calls), device, args.warmup, args.iters)
+        skinny = per_call_us(over_copies(lambda w: skinny_gemm(x, w, config=cfg), ws, args.calls), device,
+                             args.warmup, args.iters)
         floor = (n * k + m * k + m * n) * size / bw * 1e6
         table.add(name, str(n), str(k), str(m), cublas, f"{100 * floor / cublas:.0f}", skinny,
                   f"{100 * floor / skinny:.0f}", "x".join(map(str, cfg.as_list())),
@@ -161,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
              f"intermediate {args.intermediate}, vocab {args.vocab} (qkv and gate/up fused, as the models hold them)",
              f"per-call time = median of {args.iters} replays of one CUDA graph of {args.calls}+ products cycling "
              f"through weight copies of >= {L2_FLUSH_BYTES >> 20} MB in all (no L2 reuse); CPU: eager, interpreted",
-             "skinny config per M bucket (16/32/64/128/256) picked by linear_dispatch.measure (do_bench, L2 flushed) "
-             "at the bucket's largest M; the table's winner per bucket compares the sums over its rows",
+             "skinny config per M bucket (16/32/64/128/256): the fastest of skinny_gemm.candidate_configs at the "
+             "bucket's largest M, timed the same way; the table's winner per bucket compares the sums over its rows",
              f"dispatch table: skinny wins {wins} of {len(entries)} (shape, M bucket) entries"]
     common.report(args, "gemm_benchmark", device, [table], notes)
     return 0
