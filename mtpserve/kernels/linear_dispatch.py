@@ -14,8 +14,8 @@ cuBLAS stays the default everywhere: the Triton kernel takes a call only where i
 Eligible: a CUDA tensor, bf16 or fp16, 1..MAX_ROWS rows. Capture safety: a measurement syncs the
 device, so it never runs while a stream captures; the runners warm every graph's step up eagerly
 before capturing it (cuda_graphs.WARMUP_RUNS), which measures each shape a graph will hold, at start
-when graphs are captured at start. A measurement times the tile configs of skinny_gemm.TILES with
-the L2 cache flushed between calls (weights are never L2-resident in a real step).
+when graphs are captured at start. A measurement times F.linear and skinny_gemm's candidate configs
+with the L2 cache evicted before each call (weights are never L2-resident in a real step).
 """
 
 from __future__ import annotations
@@ -128,31 +128,43 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return choice.config if _mode == "on" or choice.skinny_wins else None
 
 
-def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            warmup_ms: float = 2.0, rep_ms: float = 10.0) -> Choice:
-    """Time F.linear and every candidate config (median, L2 flushed before each call); syncs the device."""
-    from triton.testing import do_bench
+def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, reps: int = 10) -> Choice:
+    """Time F.linear and every candidate config (median per call, L2 evicted before each); syncs the device.
 
+    A serving process has given most of its memory to KV pools, so the eviction reads a buffer of twice
+    the L2 (a read leaves no dirty lines to write back inside the timed call), and a shape whose
+    buffer does not fit is left to cuBLAS rather than failing the warm-up."""
     from mtpserve.kernels.skinny_gemm import candidate_configs, num_sms, skinny_gemm
 
     (rows, k), n = x.shape, weight.shape[0]
-
-    def time_us(fn) -> float:
-        return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-    cublas = time_us(lambda: F.linear(x, weight, bias))
+    try:
+        evict = torch.ones(2 * torch.cuda.get_device_properties(x.device).L2_cache_size // 4, device=x.device)
+    except torch.cuda.OutOfMemoryError:
+        warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
+        return Choice((), float("inf"), 0.0)
+    cublas = _median_us(lambda: F.linear(x, weight, bias), evict, reps)
     best: tuple[float, tuple[int, ...]] | None = None
     for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
         try:
-            us = time_us(lambda: skinny_gemm(x, weight, bias, cfg))
+            us = _median_us(lambda: skinny_gemm(x, weight, bias, cfg), evict, reps)
         except Exception as exc:  # e.g. OutOfResources (shared memory) on a smaller GPU: skip that config
             warnings.warn(f"skinny_gemm config {cfg} failed for {tuple(weight.shape)} at M={rows}: {exc!r}")
             continue
         if best is None or us < best[0]:
             best = (us, tuple(cfg.as_list()))
-    if best is None:
-        return Choice((), float("inf"), cublas)
-    return Choice(best[1], best[0], cublas)
+    return Choice((), float("inf"), cublas) if best is None else Choice(best[1], best[0], cublas)
+
+
+def _median_us(fn, evict: torch.Tensor, reps: int) -> float:
+    fn()  # compiles, picks cuBLAS's kernel
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        evict.max()  # reads past the L2: fn finds its weight in HBM, as in a step
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return 1e3 * sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
 
 
 class DispatchedLinear(nn.Linear):
