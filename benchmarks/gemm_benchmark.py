@@ -136,7 +136,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
         floor = (n * k + m * k + m * n) * size / bw * 1e6
         table.add(name, str(n), str(k), str(m), cublas, f"{100 * floor / cublas:.0f}", skinny,
                   f"{100 * floor / skinny:.0f}", "x".join(map(str, cfg.as_list())),
-                  "skinny" if skinny < cublas else "cuBLAS", cublas / skinny)
+                  "skinny" if dispatch.Choice((), skinny, cublas).skinny_wins else "cuBLAS", cublas / skinny)
         key = dispatch.shape_key(dev_name, dtype, m_bucket(m), n, k)
         old = entries.get(key)
         entries[key] = dispatch.Choice(tuple(cfg.as_list()),
