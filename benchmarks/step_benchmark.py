@@ -214,6 +214,18 @@ def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bo
     return ms
 
 
+# Kernel classes summed under the profile's top kernels: which part of the step is short of its floor.
+KERNEL_CLASSES = (("GEMM", ("nvjet", "gemm", "cutlass", "cublas", "splitkreduce", "_skinny", "_sum_splits",
+                            "aten::mm", "aten::addmm")),
+                  ("attention + KV store", ("_split_kernel", "_merge_kernel", "_paged_attention", "_store_kv")),
+                  ("norm / rope / SwiGLU", ("_rms_norm", "_rope", "_silu_mul")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, parts in KERNEL_CLASSES if any(p.lower() in low for p in parts)), "other")
+
+
 def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top: int) -> Table:
     from torch.profiler import ProfilerActivity, profile
 
@@ -234,6 +246,10 @@ def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top:
     for e in events[:top]:
         name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
         t.add(name, getattr(e, key) / steps / 1e3, f"{100 * getattr(e, key) / total:.1f}", f"{e.count / steps:g}")
+    for cls in [c for c, _ in KERNEL_CLASSES] + ["other"]:
+        mine = [e for e in events if kernel_class(e.key) == cls]
+        us = sum(getattr(e, key) for e in mine)
+        t.add(f"[all {cls}]", us / steps / 1e3, f"{100 * us / total:.1f}", f"{sum(e.count for e in mine) / steps:g}")
     return t
 
 
@@ -313,13 +329,17 @@ def main(argv: list[str] | None = None) -> int:
                                 draft / floor_ms)
                 print(f"[{mode}] batch {batch:3d} one draft position: {draft:.3f} ms, floor {floor_ms:.3f} ms")
 
-    tables = [table, lean_table] + ([draft_table] if len(model.mtp) else [])
+    tables, profile_notes = [table, lean_table] + ([draft_table] if len(model.mtp) else []), []
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
         for _ in range(args.warmup):
             driver.verify_step(args.profile_k)
         tables.append(profile_table(driver, device, args.profile_k, args.profile_steps, args.top))
         tables[-1].title += f"; linear dispatch {linear_dispatch.mode()}"
+        w, kv = floor_bytes(model, args.profile_batch, args.profile_k, args.context, dsize)
+        profile_notes.append(f"profiled step's floors: weights {w / bw * 1e3:.2f} ms (what [all GEMM] could reach), "
+                             f"KV {kv / bw * 1e3:.2f} ms ([all attention + KV store]); the step's own time (kernels "
+                             "and the gaps between them) is in the first table")
 
     notes = [f"target: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
              f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
@@ -329,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
              "draft steps, timed in this run; tok/s @AL=k+1 is the ceiling if every draft were accepted",
              "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth",
              f"gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: {args.skinny_gemm}"
-             + (f", table {args.skinny_table}" if args.skinny_table else "")]
+             + (f", table {args.skinny_table}" if args.skinny_table else "")] + profile_notes
     common.report(args, "step_benchmark", device, tables, notes)
     return 0
 

@@ -103,6 +103,8 @@ class ModelRunner:
         if self.uniform is not None and self.uniform.use_graphs:
             self.uniform.capture_all([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
                                       for k in config.capture_at_start for greedy in (True, False)])
+            if self.prefill is not None:
+                self.prefill.capture_all(list(config.capture_at_start))
 
     def on_capture(self, listener: Callable[[], None]) -> None:
         """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and
