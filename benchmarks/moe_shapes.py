@@ -94,12 +94,13 @@ def hf_config(shape: str, tiny: bool, context: int) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
-    """Random weights on the device; FP8 (as a block-scaled checkpoint is served) on CUDA."""
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
+                fp8: bool | None = None) -> LoadedModel:
+    """Random weights on the device; FP8 (as a block-scaled checkpoint is served) on CUDA, or as `fp8` says."""
     with torch.device("meta"), default_dtype(dtype):
         model = LoadedModel(cfg, TargetModel(cfg).eval(), None)  # type: ignore[arg-type]
         model.mtp = MTPStack(cfg, model.target.rotary).eval()
-        if device.type == "cuda" and cfg.fp8 is not None:  # the modules a checkpoint quantised so would get
+        if (device.type == "cuda" if fp8 is None else fp8) and cfg.fp8 is not None:  # the modules a checkpoint quantised so would get
             specs = target_specs(cfg) + mtp_specs(cfg)
             params = fp8_linear.servable(specs, {s.ckpt_name for s in specs if s.ckpt_name.endswith("_proj.weight")},
                                          cfg.fp8.block)
@@ -191,8 +192,10 @@ def _runner(model: LoadedModel, args: argparse.Namespace, ks: list[int], batches
     positions = args.context + steps_total * (max(ks) + 1) + 2 * MAX_SPECULATIVE_TOKENS
     blocks_per_req = math.ceil(positions / args.block_size)
     max_batch = max(batches + [args.profile_batch])
-    runner = ModelRunner(model, RunnerConfig(blocks_per_req * max_batch, args.block_size, max_batch, len(model.mtp),
-                                             "depth", 32), dtype, device)
+    # max_model_len = what the run reaches: graphs size MLA's torch-reference gather by it (not by seq_lens).
+    config = RunnerConfig(blocks_per_req * max_batch, args.block_size, max_batch, len(model.mtp), "depth", 32,
+                          max_model_len=positions)
+    runner = ModelRunner(model, config, dtype, device)
     return runner, sb.Driver(runner, model.config, blocks_per_req, args.seed)
 
 
@@ -203,6 +206,10 @@ def main(args: argparse.Namespace) -> int:
     batches, ks = common.parse_ints(args.batches), sorted(set(common.parse_ints(args.drafts)))
     check(max(ks) <= MAX_SPECULATIVE_TOKENS and min(ks) >= 0, "--drafts must be in [0, 8]")
     cfg = ModelConfig.from_dict(hf_config(args.shape, args.tiny, args.context))
+    if cfg.mla is not None:
+        # MLA attends through the torch reference on CUDA too (attention.attend_latent): its prefill scores
+        # are [requests, heads x tokens, context] fp32, 8.6 GB for 16 prompts of 1k at 128 heads.
+        args.prefill_tokens = min(args.prefill_tokens, 4096)
     torch.manual_seed(args.seed)
     bw = common.measure_bandwidth(device, int(args.bandwidth_gb * 1e9))
     model = build_model(cfg, dtype, device, args.seed)
