@@ -114,7 +114,8 @@ def bucket_configs(xs: dict[int, torch.Tensor], ws: list[torch.Tensor], device: 
 
 
 def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: torch.dtype, device: torch.device,
-                args: argparse.Namespace, table: Table, entries: dict) -> None:
+                args: argparse.Namespace, table: Table, entries: dict) -> dict[int, tuple[float, float, float, str]]:
+    """Rows of `table` and `entries` for one projection; -> M -> (cuBLAS us, skinny us, floor us, table key)."""
     from mtpserve.kernels import linear_dispatch as dispatch
     from mtpserve.kernels.skinny_gemm import m_bucket, skinny_gemm
     from mtpserve.kernels.skinny_gemm_ref import skinny_gemm_ref
@@ -124,6 +125,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
     configs = bucket_configs(xs, ws, device, args)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     size = torch.finfo(dtype).bits // 8
+    times = {}
     for m in rows:
         x, cfg = xs[m], configs[m_bucket(m)]
         out = skinny_gemm(x, ws[0], config=cfg)
@@ -143,7 +145,23 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
                                        skinny + (old.skinny_us if old else 0.0), cublas + (old.cublas_us if old else 0.0))
         print(f"{name:8s} N {n:6d} K {k:5d} M {m:3d}: cuBLAS {cublas:8.1f} us  skinny {skinny:8.1f} us "
               f"({cfg.as_list()})  floor {floor:7.1f} us")
+        times[m] = (cublas, skinny, floor, key)
     del ws, xs
+    return times
+
+
+def layer_table(times: dict[str, dict[int, tuple[float, float, float, str]]], entries: dict, rows: list[int]) -> Table:
+    """One decoder layer's four GEMMs (qkv, o, gate_up, down) per M: cuBLAS, skinny, and what auto would run."""
+    t = Table("one decoder layer's GEMMs (qkv + o + gate_up + down): us and % of their floor; auto = per "
+              "projection and M bucket, the table's winner", ["M", "cuBLAS us", "%floor", "skinny us", "%floor",
+                                                              "auto us", "%floor"])
+    for m in rows:
+        parts = [times[name][m] for name in ("qkv", "o", "gate_up", "down")]
+        cublas, skinny, floor = (sum(p[i] for p in parts) for i in range(3))
+        auto = sum(p[1] if entries[p[3]].skinny_wins else p[0] for p in parts)
+        t.add(str(m), cublas, f"{100 * floor / cublas:.0f}", skinny, f"{100 * floor / skinny:.0f}", auto,
+              f"{100 * floor / auto:.0f}")
+    return t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                   ["proj", "N", "K", "M", "cuBLAS us", "cuBLAS %floor", "skinny us", "skinny %floor",
                    "config (bn x bk x split x warps x stages)", "winner", "cuBLAS/skinny"])
     entries: dict = {}
-    for name, n, k in shapes(args):
-        bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries)
+    times = {name: bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries) for name, n, k in shapes(args)}
     wins = sum(c.skinny_wins for c in entries.values())
     if args.table_out is not None:
         dispatch.save_table(args.table_out, entries)
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
              "skinny config per M bucket (16/32/64/128/256): the fastest of skinny_gemm.candidate_configs at the "
              "bucket's largest M, timed the same way; the table's winner per bucket compares the sums over its rows",
              f"dispatch table: skinny wins {wins} of {len(entries)} (shape, M bucket) entries"]
-    common.report(args, "gemm_benchmark", device, [table], notes)
+    common.report(args, "gemm_benchmark", device, [table, layer_table(times, entries, rows)], notes)
     return 0
 
 
