@@ -1,12 +1,13 @@
 """Runs prefill steps (mtpserve/workers/prefill_step.py): which chunks qualify, one pinned copy in, a
-CUDA-graph replay per (batch bucket, row bucket, PrefillShape), one result out.
+CUDA-graph replay per (row bucket, PrefillShape), one result out.
 
-Per step the host sends one int64 buffer: per request its slot, chunk start, chunk length and verified
-length, then the chunk's ids [B, columns], then the state diffs since the last step. Batches pad to a
-batch bucket (pad slot, L = 0) and chunks to a power-of-two row count, as long as the padded step stays
-within `max_rows` rows (larger prompts are compute-bound: the eager general path costs them little
-extra, and a graph per large shape would hold much memory). Off CUDA the step runs eagerly at the
-batch's own size and its longest chunk.
+Per step the host sends one int64 buffer: per request entry its slot, chunk start, chunk length and
+verified length, then the chunks' ids back to back, then each entry's tail (the verified tokens past
+its chunk), then the state diffs since the last step. With graphs every step has all R = max_num_seqs
++ 1 entries (unused ones: the pad slot, L = 0; the last one owns the padding rows) and T = a row
+bucket >= the chunks' total, as long as T stays within `max_rows` (larger prompts are compute-bound:
+the eager general path costs them little extra, and graphs of large shapes would hold much memory).
+Off CUDA the step runs eagerly at the batch's own size.
 """
 
 from __future__ import annotations
@@ -18,17 +19,26 @@ import numpy as np
 import torch
 
 from mtpserve.boundary.messages import StepPlan, StepResult
-from mtpserve.workers.cuda_graphs import batch_buckets, capture_graph
-from mtpserve.workers.prefill_step import PrefillInputs, PrefillShape, PrefillStep, id_columns
-from mtpserve.workers.slot_state import DeviceState, StateDiffs, sampling_flags
+from mtpserve.workers.cuda_graphs import capture_graph
+from mtpserve.workers.prefill_step import PrefillInputs, PrefillShape, PrefillStep, tail_columns
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs, sampling_flags
 from mtpserve.workers.state import CachedRequest
 
 MIN_ROWS = 16
 
 
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """16, 32, 64, 128, 192, 256, 384, 512, 768, ... (x1.5, x4/3) below max_rows, then max_rows."""
+    sizes, b = [MIN_ROWS, 2 * MIN_ROWS, 4 * MIN_ROWS], 8 * MIN_ROWS
+    while sizes[-1] < max_rows:
+        sizes += [b, b * 3 // 2]
+        b *= 2
+    return tuple(s for s in sizes if s < max_rows) + (max_rows,)
+
+
 @dataclass
 class _Graph:
-    inputs: torch.Tensor  # static int64 buffer: slots, starts, lens, verified [B each], ids [B * columns]
+    inputs: torch.Tensor  # static int64 buffer: slots, starts, lens, verified [R each], ids [T], tails [R, W]
     graph: torch.cuda.CUDAGraph
     out: tuple[torch.Tensor, torch.Tensor]
 
@@ -39,82 +49,86 @@ class PrefillGraphs:
         self.step, self.state, self.device, self.num_modules = step, state, device, num_modules
         self.use_graphs = use_graphs and device.type == "cuda"
         self.pad = self.use_graphs  # tests pad on CPU too, to check that padded rows change nothing
-        self.max_rows = max_rows
-        self.buckets = batch_buckets(max_num_seqs)
+        self.entries = max_num_seqs + 1  # R with padding: every request, plus the owner of the padding rows
+        self.buckets = row_buckets(max(max_rows, MIN_ROWS))
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graphs: dict[tuple[int, PrefillShape], _Graph] = {}
+        self.graphs: dict[PrefillShape, _Graph] = {}
         self.runs = self.replays = 0
         self.on_capture: Callable[[], None] | None = None
 
     def takes(self, reqs: list[CachedRequest], plan: StepPlan) -> list[bool]:
-        """Which requests' chunks a prefill step can run: no drafts, no forced token, every module of
-        the chain committed exactly to the chunk's start, and the padded step within max_rows."""
+        """Which requests' chunks a prefill step can run: no drafts, no forced token, every module of the
+        chain committed exactly to the chunk's start, and all of them within the largest row bucket."""
         ok = [d == 0 and r.forced_token is None
               and all(c == r.num_computed for c in r.mtp_computed[: min(r.num_spec, self.num_modules)])
               for r, d in zip(reqs, plan.num_drafts)]
-        lens = [n for n, o in zip(plan.num_tokens, ok) if o]
-        if not lens or (self.pad and self._padded(len(lens), max(lens))[0] * self._rows(max(lens)) > self.max_rows):
-            return [False] * len(reqs)
-        return ok
+        rows = sum(n for n, o in zip(plan.num_tokens, ok) if o)
+        return ok if rows and (not self.pad or rows <= self.buckets[-1]) else [False] * len(reqs)
 
     def run(self, reqs: list[CachedRequest], lens: list[int], diffs: StateDiffs) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch the step -> (packed [R, 2], raw logits [R, V]); valid until the next replay."""
         self.runs += 1
-        r, longest = len(reqs), max(lens)
-        batch, rows = self._padded(r, longest)
         chain = max(q.num_spec for q in reqs) if self.num_modules else 0
+        total = sum(lens)
+        rows = next(b for b in self.buckets if b >= total) if self.pad else total
         shape = PrefillShape(rows, chain, sampling_flags([q.params for q in reqs], self.state.vocab))
-        packed, counts = diffs.pack(self._head(reqs, lens, batch, id_columns(rows, chain, self.num_modules)),
-                                    self.device)  # the step's one host-to-device copy
-        head = 4 * batch + batch * id_columns(rows, chain, self.num_modules)
-        self.state.apply(packed[head:], counts)
+        entries = self.entries if self.pad else len(reqs)
+        head = self._head(reqs, lens, entries, shape)
+        packed, counts = diffs.pack(head, self.device)  # the step's one host-to-device copy
+        self.state.apply(packed[len(head):], counts)
         if not self.use_graphs:
-            out, raw = self.step(self._inputs(packed[:head], batch), shape)
+            out, raw = self.step(self._inputs(packed[: len(head)], entries, shape), shape)
         else:
-            g = self.graphs.get((batch, shape)) or self._capture(batch, shape)
-            g.inputs.copy_(packed[:head])
+            g = self.graphs.get(shape) or self._capture(shape)
+            g.inputs.copy_(packed[: len(head)])
             g.graph.replay()
             out, raw = g.out
             self.replays += 1
-        return out[:r], raw[:r]
+        return out[: len(reqs)], raw[: len(reqs)]
 
-    def _padded(self, num_reqs: int, longest: int) -> tuple[int, int]:
-        """-> (batch, rows) of the step that runs num_reqs chunks of at most `longest` tokens."""
-        if not self.pad:
-            return num_reqs, longest
-        return next(b for b in self.buckets if b >= num_reqs), self._rows(longest)
+    def capture_all(self, chains: list[int]) -> None:
+        """Capture every row bucket's graph for each chain length, greedy and plain sampling (at start)."""
+        for rows in self.buckets:
+            for chain in chains:
+                for greedy in (True, False):
+                    shape = PrefillShape(rows, chain if self.num_modules else 0, SamplingFlags(all_greedy=greedy))
+                    if shape not in self.graphs:
+                        self._capture(shape)
 
-    def _rows(self, longest: int) -> int:
-        return max(MIN_ROWS, 1 << (longest - 1).bit_length()) if self.pad else longest
-
-    def _head(self, reqs: list[CachedRequest], lens: list[int], batch: int, columns: int) -> np.ndarray:
-        """slots, starts, lens, verified [batch each] (pad rows: pad slot, zeros), then ids [batch, columns]."""
-        r = len(reqs)
-        head = np.zeros(4 * batch + batch * columns, dtype=np.int64)
-        head[:batch] = self.state.pad_slot
-        head[:r] = [q.slot for q in reqs]
-        head[batch : batch + r] = [q.num_computed for q in reqs]
-        head[2 * batch : 2 * batch + r] = lens
-        head[3 * batch : 3 * batch + r] = [len(q.token_ids) for q in reqs]
-        ids = head[4 * batch :].reshape(batch, columns)
-        for i, q in enumerate(reqs):  # one slice per request: the chunk and the verified tokens past it
-            chunk = q.token_ids[q.num_computed : q.num_computed + columns]
-            ids[i, : len(chunk)] = chunk
+    def _head(self, reqs: list[CachedRequest], lens: list[int], entries: int, shape: PrefillShape) -> np.ndarray:
+        """slots, starts, lens, verified [entries each], ids [rows], tails [entries, columns]. Entries past
+        the requests hold the pad slot; the last one owns the padding rows."""
+        r, columns = len(reqs), tail_columns(shape.chain, self.num_modules)
+        head = np.zeros(4 * entries + shape.tokens + entries * columns, dtype=np.int64)
+        per_req = head[: 4 * entries].reshape(4, entries)
+        per_req[0] = self.state.pad_slot
+        per_req[:, :r] = [[q.slot for q in reqs], [q.num_computed for q in reqs], lens, [len(q.token_ids) for q in reqs]]
+        per_req[2, -1] += shape.tokens - sum(lens)  # == 0 unless padded (then entries > r)
+        ids, tails = head[4 * entries : 4 * entries + shape.tokens], head[4 * entries + shape.tokens :]
+        tails = tails.reshape(entries, columns)
+        at = 0
+        for i, (q, n) in enumerate(zip(reqs, lens)):  # one slice per request: its chunk, then what follows it
+            s = q.num_computed
+            ids[at : at + n] = q.token_ids[s : s + n]
+            after = q.token_ids[s + n : s + n + columns]
+            tails[i, : len(after)] = after
+            at += n
         return head
 
-    def _inputs(self, buf: torch.Tensor, batch: int) -> PrefillInputs:
-        slots, starts, lens, verified = buf[: 4 * batch].view(4, batch)
-        return PrefillInputs(slots, starts, lens, verified, buf[4 * batch :].view(batch, -1))
+    def _inputs(self, buf: torch.Tensor, entries: int, shape: PrefillShape) -> PrefillInputs:
+        slots, starts, lens, verified = buf[: 4 * entries].view(4, entries)
+        ids = buf[4 * entries : 4 * entries + shape.tokens]
+        tails = buf[4 * entries + shape.tokens :].view(entries, -1)
+        return PrefillInputs(slots, starts, lens, verified, ids, tails)
 
-    def _capture(self, batch: int, shape: PrefillShape) -> _Graph:
+    def _capture(self, shape: PrefillShape) -> _Graph:
         if self.on_capture is not None:
             self.on_capture()
-        columns = id_columns(shape.rows, shape.chain, self.num_modules)
-        inputs = torch.zeros(4 * batch + batch * columns, dtype=torch.int64, device=self.device)
-        inputs[:batch] = self.state.pad_slot  # every row padding: warm-up and capture write no KV
-        x = self._inputs(inputs, batch)
+        head = self._head([], [], self.entries, shape)  # every row padding: warm-up and capture write no KV
+        inputs = torch.from_numpy(head).to(self.device)
+        x = self._inputs(inputs, self.entries, shape)
         graph, out = capture_graph(lambda: self.step(x, shape), self.pool, self.device)
-        g = self.graphs[(batch, shape)] = _Graph(inputs, graph, out)
+        g = self.graphs[shape] = _Graph(inputs, graph, out)
         return g
 
 

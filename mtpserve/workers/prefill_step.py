@@ -4,17 +4,20 @@ The general path plans a prompt chunk's target rows and every module pass from h
 them eagerly: on a small model that costs far more host time than the GPU needs (about 10 ms per
 pass with k = 3). Most chunks have a regular shape, though: request r feeds L_r prompt tokens from
 position s_r, and every module it speculates with has committed exactly up to s_r (it is "aligned",
-which every fresh prompt is). Then the whole chunk is a function of a few [B] tensors and the chunk's
-token ids, at fixed shapes (B requests x Q rows, Q >= every L_r), so it runs as one CUDA graph:
+which every fresh prompt is). Then the whole step is a function of a few [R] tensors and the token
+ids, at fixed shapes: T flat rows (the chunks back to back, then padding) and R requests (every
+request slot, plus the last entry, which owns the padding rows through the pad slot). So it runs as
+one CUDA graph per T bucket:
 
-  * target rows j < L_r at positions s_r + j (rows past L_r are padding: slot -1, never written);
-  * a request whose chunk ends its verified tokens (`final`) samples from row L_r - 1 with its own
+  * target rows at positions s_r + j, j < L_r (the pad slot owns no block: padding is never written);
+  * a request whose chunk ends its verified tokens (`final`) samples from its last row with its own
     settings, and the device commits the token (its new length and newest token);
-  * module m runs the same rows: position i takes t_{i+m+1} (the chunk's ids shifted by m + 1, then
-    the sampled token and this step's drafts) and g^{m-1}_i (module m - 1's output on the same row;
-    the target row for m = 0). It keeps KV below its end (the whole chunk for a final one; else up
-    to N - m - 1, the last position whose next m + 1 tokens are verified), drafts from row L_r - 1
-    (p = N' - 2) and carries its row at the new commit - 1, exactly as the general path (§3).
+  * module m runs the same rows: position i takes t_{i+m+1} (further down the chunk, or from the
+    request's `tail`: the verified tokens past the chunk, or else the sampled token and this step's
+    drafts) and g^{m-1}_i (module m - 1's output on the same row; the target's for m = 0). It keeps
+    KV below its end (the whole chunk for a final one; else up to N - m - 1, the last position whose
+    next m + 1 tokens are verified), drafts from the last row (p = N' - 2) and carries its row at
+    the new commit - 1, exactly as the general path does (§3).
 
 Requests that are not aligned (a chunk that ended within m + 1 tokens of the prompt's end, a
 resumed request with a forced token, drafts to verify) take the general path.
@@ -25,10 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from mtpserve.workers.attention import AttentionMetadata
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
+from mtpserve.workers.sampling import SamplingTensors
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, group_metadata
 from mtpserve.workers.state import SlotBuffers
 from mtpserve.workers.uniform_chain import DraftSampler, UniformChain
@@ -37,28 +43,40 @@ from mtpserve.workers.uniform_step import UniformStep
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """What fixes a prefill step's kernels: part of its graph's key together with the batch bucket."""
+    """What fixes a prefill step's kernels: its graph's key."""
 
-    rows: int  # Q: rows per request (>= the longest chunk)
+    tokens: int  # T: flat rows (>= the chunks' total)
     chain: int  # drafts to produce: the largest num_spec in the batch (0: no chain)
     flags: SamplingFlags
 
 
-def id_columns(rows: int, chain: int, num_modules: int) -> int:
-    """Columns of the id buffer: the chunk, then what module passes read past it (module m reads up to
-    column L + m) and where the sampled token and the drafts go (columns L .. L + chain)."""
-    return rows + max(chain, num_modules) + 2
+def tail_columns(chain: int, num_modules: int) -> int:
+    """Columns of a request's tail: module m reads up to m + 1 tokens past its chunk, and a final chunk's
+    sampled token and drafts go to columns 0 .. chain."""
+    return max(chain, num_modules) + 2
 
 
 @dataclass
 class PrefillInputs:
-    """[B] per-request tensors of a prefill step (padded rows: the pad slot, L = 0)."""
+    """[R] per-request tensors (unused entries: the pad slot, L = 0), the flat ids and the tails."""
 
     slots: torch.Tensor
     starts: torch.Tensor  # s: first position of the chunk
-    lens: torch.Tensor  # L: tokens in the chunk
+    lens: torch.Tensor  # L: rows of the chunk
     verified: torch.Tensor  # N: verified tokens before the step (final when s + L == N)
-    ids: torch.Tensor  # [B, id_columns]: t_s, t_{s+1}, ... as far as verified (zeros after)
+    ids: torch.Tensor  # [T]: t_s .. t_{s+L-1} of each request, back to back
+    tail: torch.Tensor  # [R, tail_columns]: t_{s+L}, t_{s+L+1}, ... as far as verified (zeros after)
+
+
+@dataclass
+class _Rows:
+    """Where each flat row sits: its request and position (derived on the device)."""
+
+    req: torch.Tensor  # [T]
+    index: torch.Tensor  # [T] row within its chunk
+    pos: torch.Tensor  # [T]
+    first: torch.Tensor  # [R + 1] query start of each request (cumulative lens)
+    last: torch.Tensor  # [R] each request's last row (p = N' - 2 for a final chunk)
 
 
 class PrefillStep:
@@ -69,42 +87,61 @@ class PrefillStep:
         self.hidden_pre_norm = model.config.mtp.hidden_pre_norm
 
     def __call__(self, x: PrefillInputs, shape: PrefillShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (packed [B, 2]: 0 accepted then the sampled token (final rows only); raw logits [B, V])."""
-        st, q, batch = self.state, shape.rows, len(x.slots)
-        st.reset_pad()
-        final = x.starts + x.lens == x.verified  # [B]
-        pos = x.starts[:, None] + torch.arange(q, device=x.slots.device)  # [B, Q]
-        inside = pos < (x.starts + x.lens)[:, None]
-        meta = group_metadata(st, 0, x.slots, pos, inside)
-        hidden = self.target(x.ids[:, :q].reshape(-1), pos.reshape(-1), meta, self.kv.target).view(batch, q, -1)
-        rows, last = torch.arange(batch, device=x.slots.device), (x.lens - 1).clamp(min=0)
-        raw = self.target.logits(hidden[rows, last])  # [B, V] fp32
-        samp = st.sampling(x.slots, shape.flags)
-        no_drafts = x.slots.new_zeros(batch, 0)
-        tokens, accepted = self.uniform.verify(raw, samp, x.slots, no_drafts, x.lens.new_zeros(batch), x.verified,
-                                               shape.flags)
+        """-> (packed [R, 2]: 0 accepted, then the sampled token (final rows only); raw logits [R, V])."""
+        self.state.reset_pad()
+        final = (x.starts + x.lens == x.verified) & (x.lens > 0)  # [R]
+        rows = self._rows(x, shape.tokens)
+        meta = self._metadata(0, x, rows, torch.ones_like(rows.pos, dtype=torch.bool))
+        hidden = self.target(x.ids, rows.pos, meta, self.kv.target)  # [T, H]
+        raw = self.target.logits(hidden[rows.last])  # [R, V] fp32
+        samp = self.state.sampling(x.slots, shape.flags)
+        no_drafts = x.slots.new_zeros(len(x.slots), 0)
+        tokens, accepted = self.uniform.verify(raw, samp, x.slots, no_drafts, x.lens.new_zeros(len(x.slots)),
+                                               x.verified, shape.flags)
         self._commit(x, final, tokens[:, 0], shape.flags)
         if self.uniform.chain is not None and shape.chain > 0:
             mtp_rows = hidden if self.hidden_pre_norm else self.target.norm(hidden)
-            self._chain(x, final, tokens[:, 0], mtp_rows, pos, shape, samp)
+            self._chain(x, rows, final, tokens[:, 0], mtp_rows, shape, samp)
         return torch.cat((accepted[:, None], tokens), dim=1), raw
 
+    @staticmethod
+    def _rows(x: PrefillInputs, num_rows: int) -> _Rows:
+        ends = torch.cumsum(x.lens, 0)
+        first = F.pad(ends, (1, 0))
+        req = torch.repeat_interleave(torch.arange(len(x.lens), device=x.lens.device), x.lens, output_size=num_rows)
+        index = torch.arange(num_rows, device=x.lens.device) - first[req]
+        return _Rows(req, index, x.starts[req] + index, first, (ends - 1).clamp(min=0))
+
+    def _metadata(self, group: int, x: PrefillInputs, rows: _Rows, write: torch.Tensor) -> AttentionMetadata:
+        """The flat rows' attention metadata in one KV group; a row writes KV only where `write` holds and
+        its position lies in the blocks its request owns there (else slot -1, which the store skips)."""
+        st, bs = self.state, self.state.block_size
+        tables = st.tables[group, x.slots]  # [R, MB]
+        blocks = tables[rows.req, (rows.pos // bs).clamp(max=st.max_blocks - 1)].long()
+        owned = write & (rows.pos < st.capacity[group, x.slots][rows.req])
+        slot_mapping = torch.where(owned, blocks * bs + rows.pos % bs, -1)
+        seq_lens = (x.starts + x.lens).to(torch.int32)
+        if x.slots.is_cuda:  # host-side bounds only pick tiles; the kernels read lengths on the device
+            max_query_len, max_seq_len = len(rows.pos), st.max_blocks * bs
+        else:  # the CPU reference pads to these
+            max_query_len, max_seq_len = int(x.lens.max()), int(seq_lens.max())
+        return AttentionMetadata(rows.first.to(torch.int32), seq_lens, tables, slot_mapping, max_query_len, max_seq_len)
+
     def _commit(self, x: PrefillInputs, final: torch.Tensor, token: torch.Tensor, flags: SamplingFlags) -> None:
-        """Final rows verified one more token; mid-prompt rows keep their state."""
+        """Final chunks verified one more token; mid-prompt ones keep their state."""
         st = self.state
         st.seq_len[x.slots] = torch.where(final, x.verified + 1, st.seq_len[x.slots])
         st.last_token[x.slots] = torch.where(final, token, st.last_token[x.slots])
         if flags.penalties:
             self.buffers.add_counts(x.slots, token[:, None], final[:, None].float())
 
-    def _chain(self, x: PrefillInputs, final: torch.Tensor, token: torch.Tensor, target_rows: torch.Tensor,
-               pos: torch.Tensor, shape: PrefillShape, samp) -> None:
-        """Every module pass over the chunk's rows, then the drafts of the final rows (§3)."""
+    def _chain(self, x: PrefillInputs, rows: _Rows, final: torch.Tensor, token: torch.Tensor,
+               target_rows: torch.Tensor, shape: PrefillShape, samp: SamplingTensors) -> None:
+        """Every module pass over the chunks' rows, then the drafts of the final chunks (§3)."""
         chain: UniformChain = self.uniform.chain
-        batch, q, k, dev = len(x.slots), shape.rows, shape.chain, x.slots.device
-        rows, drafting_row = torch.arange(batch, device=dev), (x.lens - 1).clamp(min=0)
-        seq = x.ids.clone()  # t_{s + c}: the sampled token and the drafts are written past the chunk
-        seq[rows, x.lens] = torch.where(final, token, seq[rows, x.lens])
+        batch, k, dev = len(x.slots), shape.chain, x.slots.device
+        tail = x.tail.clone()  # the sampled token and the drafts of final chunks go here
+        tail[:, 0] = torch.where(final, token, tail[:, 0])
         drafts = torch.zeros(batch, k, dtype=torch.long, device=dev)
         q_ids = torch.zeros(batch, k, chain.top_m, dtype=torch.long, device=dev)
         q_probs = torch.zeros(batch, k, chain.top_m, dtype=torch.float32, device=dev)
@@ -112,34 +149,39 @@ class PrefillStep:
         num_spec = self.state.num_spec[x.slots]
         carry, prev, last = [], target_rows, None
         for j, step in enumerate(chain_steps(k, self.num_modules, self.mode)):
-            m, used = step.module, (num_spec > j)
+            m, used = step.module, num_spec > j
             if step.offset == 0:
-                commit = self._module_commit(x, final, m)
-                write = used[:, None] & (pos < self._module_end(x, final, m)[:, None])
-                meta = group_metadata(self.state, 1 + m, x.slots, pos, write)
-                g = self.mtp(m, seq[:, m + 1 : m + 1 + q].reshape(-1), prev.reshape(batch * q, -1), pos.reshape(-1),
-                             meta, self.kv.mtp[m], self.target.embed_tokens).view(batch, q, -1)
+                end, commit = self._module_bounds(x, final, m)
+                meta = self._metadata(1 + m, x, rows, used[rows.req] & (rows.pos < end[rows.req]))
+                g = self.mtp(m, self._module_tokens(x, rows, tail, m), prev, rows.pos, meta, self.kv.mtp[m],
+                             self.target.embed_tokens)
                 prev = self.mtp.next_hidden(m, g)
-                g, last = g[rows, drafting_row], prev[rows, drafting_row]
-                moved = used & (commit > x.starts)
-                carry.append((m, prev[rows, (commit - 1 - x.starts).clamp(min=0, max=q - 1)], moved))
+                g, last = g[rows.last], prev[rows.last]
+                # g^m at the new commit - 1 (a row of this chunk whenever the commit moved)
+                at = rows.first[:-1] + torch.minimum((commit - 1 - x.starts).clamp(min=0), (x.lens - 1).clamp(min=0))
+                carry.append((m, prev[at.clamp(max=len(prev) - 1)], used & (commit > x.starts)))
             else:  # recursive: one row at p + offset from the previous chain step
                 p = (x.verified - 1 + step.offset)[:, None]
                 meta = group_metadata(self.state, 1 + m, x.slots, p, (used & final)[:, None])
                 g = self.mtp(m, drafts[:, j - 1], last, p.reshape(-1), meta, self.kv.mtp[m], self.target.embed_tokens)
                 last = self.mtp.next_hidden(m, g)
             drafts[:, j], q_ids[:, j], q_probs[:, j] = sampler(j, self.mtp.logits(m, g, self.target.lm_head))
-            col = (x.lens + 1 + j).clamp(max=seq.shape[1] - 1)
-            seq[rows, col] = torch.where(final, drafts[:, j], seq[rows, col])
+            tail[:, 1 + j] = torch.where(final, drafts[:, j], tail[:, 1 + j])
         chain.store(x.slots, drafts, q_ids, q_probs, carry, shape.flags.all_greedy)
 
     @staticmethod
-    def _module_end(x: PrefillInputs, final: torch.Tensor, m: int) -> torch.Tensor:
-        """[B] position past module m's last row: the chunk's end when final (the rows past the new
-        commit use drafts and are recomputed next step), else its last position with verified inputs."""
-        return torch.where(final, x.verified, torch.minimum(x.starts + x.lens, x.verified - m - 1))
+    def _module_tokens(x: PrefillInputs, rows: _Rows, tail: torch.Tensor, m: int) -> torch.Tensor:
+        """[T] t_{i+m+1} of every row: further down its chunk, else from its request's tail."""
+        ahead = rows.index + m + 1  # index of t_{i+m+1} within the chunk
+        lens = x.lens[rows.req]
+        down = x.ids[(torch.arange(len(x.ids), device=x.ids.device) + m + 1).clamp(max=len(x.ids) - 1)]
+        past = tail[rows.req, (ahead - lens).clamp(min=0, max=tail.shape[1] - 1)]
+        return torch.where(ahead < lens, down, past)
 
     @staticmethod
-    def _module_commit(x: PrefillInputs, final: torch.Tensor, m: int) -> torch.Tensor:
-        """[B] module m's committed positions after the step (N' - m - 1 when final, N' = N + 1)."""
-        return torch.where(final, x.verified - m, torch.minimum(x.starts + x.lens, x.verified - m - 1)).clamp(min=0)
+    def _module_bounds(x: PrefillInputs, final: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R] module m's end (position past its last row) and its commit after the step. A final chunk's
+        module runs to the chunk's end (rows past N' - m - 1 use drafts: recomputed next step) and commits
+        N' - m - 1 = N - m; a mid-prompt one runs and commits up to N - m - 1 (inputs all verified)."""
+        mid = torch.minimum(x.starts + x.lens, x.verified - m - 1)
+        return torch.where(final, x.verified, mid), torch.where(final, x.verified - m, mid).clamp(min=0)

@@ -17,6 +17,7 @@ import torch
 from mtpserve import LLM, SamplingParams
 from mtpserve.boundary.messages import NewRequest, StepPlan
 from mtpserve.workers.model_runner import ModelRunner
+from mtpserve.workers.prefill_graphs import row_buckets
 from mtpserve.workers.state import CachedRequest
 from tests.conftest import prompts_of
 from tests.workers.test_uniform_step import SETTINGS, _params, _same, sync_errors
@@ -87,13 +88,21 @@ def _request(num_computed: int, mtp_computed: list[int], forced: int | None = No
 def test_only_aligned_chunks_take_prefill_steps(partly_trained: Path) -> None:
     runner: ModelRunner = LLM(str(partly_trained), num_speculative_tokens=3).engine.executor.runner
     takes = runner.prefill.takes
-    plan = StepPlan(req_ids=["r"], num_tokens=[8], num_drafts=[0])
-    assert takes([_request(16, [16, 16, 16])], plan) == [True]
-    assert takes([_request(16, [16, 15, 16])], plan) == [False], "module 1 lags: the general path catches it up"
-    assert takes([_request(16, [16, 16, 16], forced=7)], plan) == [False], "a resumed request's token is forced"
-    assert takes([_request(16, [16, 16, 16])], StepPlan(["r"], [1], [2])) == [False], "drafts to verify"
-    runner.prefill.pad, runner.prefill.max_rows = True, 31
-    assert takes([_request(16, [16, 16, 16])], StepPlan(["r"], [17], [0])) == [False], "32 padded rows > 31"
+    def plan(rows: int, drafts: int = 0) -> StepPlan:
+        return StepPlan(req_ids=["r"], num_tokens=[rows], num_drafts=[drafts])
+
+    assert takes([_request(16, [16, 16, 16])], plan(8)) == [True]
+    assert takes([_request(16, [16, 15, 16])], plan(8)) == [False], "module 1 lags: the general path catches it up"
+    assert takes([_request(16, [16, 16, 16], forced=7)], plan(8)) == [False], "a resumed request's token is forced"
+    assert takes([_request(16, [16, 16, 16])], plan(1, drafts=2)) == [False], "drafts to verify"
+    runner.prefill.pad, runner.prefill.buckets = True, (16, 32)
+    assert takes([_request(16, [16, 16, 16])], plan(24)) == [True]
+    assert takes([_request(16, [16, 16, 16])], plan(33)) == [False], "more rows than the largest bucket"
+
+
+def test_row_buckets() -> None:
+    assert row_buckets(4096) == (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    assert row_buckets(100) == (16, 32, 64, 100) and row_buckets(16) == (16,)
 
 
 def test_prefill_steps_can_be_turned_off(partly_trained: Path) -> None:
