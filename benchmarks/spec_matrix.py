@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Speculation matrix: k = 0..4 draft tokens x concurrency 1, 8, 32, 128 through the engine.
+"""Speculation matrix: k = 0..4 draft tokens (and "auto") x concurrency 1, 8, 32, 128 through the engine.
 
     python benchmarks/spec_matrix.py                           # the embedded default model, GPU if any
+    python benchmarks/spec_matrix.py --ks 0,1,2,3,4,auto --workload random --temperature 1
+    python benchmarks/spec_matrix.py --tiny --device cpu --ks 0,1,auto   # the adaptive row, a smoke run
     python benchmarks/spec_matrix.py --model DIR --prompts prompts.jsonl --temperature 0.7
     python benchmarks/spec_matrix.py --tiny --device cpu       # a tiny code model trained now, seconds
     python benchmarks/spec_matrix.py --grpc localhost:50051    # a running server, through the gRPC API
@@ -20,8 +22,12 @@ OpenAI-compatible HTTP API (`mtpserve serve --http-port`) with the official `ope
 For each concurrency C, a closed loop keeps C requests in flight (a finished request is replaced by
 the next one at once) until max(--min-requests, --requests-per-slot * C) requests have finished;
 every request generates --max-tokens tokens (eos ignored) from a held-out stdlib function prompt
-(as in acceptance.py) or --prompts FILE. k is set per request (SamplingParams.num_speculative_tokens)
-on one engine, so every cell runs on the same weights and KV pool.
+(as in acceptance.py) or --prompts FILE; --workload random sends prompts of --random-prompt-len random
+token ids instead (little to predict: low acceptance). k is set per request
+(SamplingParams.num_speculative_tokens) on one engine, so every cell runs on the same weights and KV
+pool; `auto` lets the engine choose each step's k (docs/design.md §9). The engine's adaptive state
+(step costs per batch bucket and k, the engine-wide acceptance prior) learns from every step it runs,
+the fixed-k cells' and the warm-up's included, as a serving engine learns from all its traffic.
 
 Columns, the table form of DeepSeek's MTP0..MTP4 reports:
   out tok/s   generated tokens / wall time of the cell
@@ -30,12 +36,14 @@ Columns, the table form of DeepSeek's MTP0..MTP4 reports:
   AL          acceptance length, 1 + accepted drafts / verify steps (k = 0: 1)
   acc@j       fraction of verify steps whose draft j was accepted
   speedup     out tok/s against k = 0 at the same concurrency
+  vs best     out tok/s against the best fixed k at the same concurrency (auto's target: >= 0.98)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -59,7 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_common_args(p)
     common.add_model_prompt_args(p)
     p.add_argument("--prompt-lines", type=int, default=2)
-    p.add_argument("--ks", default="0,1,2,3,4")
+    p.add_argument("--ks", default="0,1,2,3,4", help="draft counts, comma-separated; 'auto' adds the adaptive row")
+    p.add_argument("--workload", choices=("text", "random"), default="text",
+                   help="text: --prompts; random: prompts of random token ids (low acceptance)")
+    p.add_argument("--random-prompt-len", type=int, default=64)
     p.add_argument("--concurrency", default="1,8,32,128")
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per cell = this x concurrency ...")
     p.add_argument("--min-requests", type=int, default=8, help="... but at least this many")
@@ -84,21 +95,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device, args.tiny)
-    ks, concurrency = common.parse_ints(args.ks), common.parse_ints(args.concurrency)
+    ks, concurrency = _parse_ks(args.ks), common.parse_ints(args.concurrency)
+    fixed = [k for k in ks if k != AUTO]
+    max_k = max(fixed, default=0)
     cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
     with tempfile.TemporaryDirectory(prefix="mtpserve-spec-matrix-") as tmp:
         if args.grpc:
-            drive, name, close = _grpc_target(args, max(ks))
+            drive, name, close, vocab = _grpc_target(args, max_k)
         elif args.http:
-            drive, name, close = _http_target(args, max(ks))
+            drive, name, close, vocab = _http_target(args, max_k)
         else:
-            drive, name, close = _engine_target(args, device, Path(tmp), max(concurrency), max(ks))
-        prompts = workloads.get_prompts(args.prompts, max(cells.values()), args.prompt_lines)
+            drive, name, close, vocab = _engine_target(args, device, Path(tmp), max(concurrency), max_k)
+        prompts = _prompts(args, max(cells.values()), vocab)
         server = args.grpc or args.http
         where = f"server {server}" if server else f"device {common.device_name(device)}"
         print(f"model {name}; {where}; requests per cell {cells}")
 
-        def jobs(k: int, n: int, max_tokens: int) -> list[workloads.Job]:
+        def jobs(k: int | str, n: int, max_tokens: int) -> list[workloads.Job]:
             return [workloads.Job(p, SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
                                                     ignore_eos=True, num_speculative_tokens=k, seed=args.seed + i))
                     for i, p in enumerate(prompts[:n])]
@@ -111,33 +124,32 @@ def main(argv: list[str] | None = None) -> int:
                 for c in concurrency:
                     drive(jobs(k, cells[c], tokens), c, f"{tag}{k}c{c}")
 
-        table = Table(f"spec matrix: {name}, {args.max_tokens} tokens per request, "
+        workload = "random-token prompts" if args.workload == "random" else "text prompts"
+        table = Table(f"spec matrix: {name}, {workload}, {args.max_tokens} tokens per request, "
                       f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}",
                       ["MTP", "conc", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "AL",
-                       *[f"acc@{j + 1}" for j in range(max(ks))], "speedup"])
+                       *[f"acc@{j + 1}" for j in range(max_k)], "speedup", "vs best"])
+        summary = []
         for c in concurrency:
-            base = None
-            for k in ks:
-                run = drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}")
-                check(all(len(t.token_ids) == args.max_tokens for t in run.traces), "every request emits max_tokens")
-                check(k == 0 or run.spec.num_drafts > 0, f"k = {k} verified no drafts")
-                check(k > 0 or run.spec.num_drafts == 0, "k = 0 verified drafts")
-                ttft = [t.ttft * 1e3 for t in run.traces]
-                tpot = [t.tpot * 1e3 for t in run.traces if t.tpot is not None]
-                base = run.tokens_per_s if k == 0 else base
-                rates = run.position_rates(k) + [float("nan")] * (max(ks) - k)
-                table.add(f"MTP{k}", str(c), str(cells[c]), f"{run.tokens_per_s:.1f}", percentile(ttft, 50),
-                          percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
-                          run.spec.acceptance_length, *rates, run.tokens_per_s / base if base else None)
-                print(f"MTP{k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, "
-                      f"{run.wall:.1f} s")
+            rows = {k: _cell(drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}"), k, c, args.max_tokens)
+                    for k in ks}
+            base = rows[0][0].tokens_per_s if 0 in rows else None
+            best = max((rows[k][0].tokens_per_s for k in fixed), default=None)
+            for k, (run, cell) in rows.items():
+                rates = run.position_rates(max_k if k == AUTO else k)
+                rates += [float("nan")] * (max_k - len(rates))
+                table.add(f"MTP{k}", str(c), str(cells[c]), *cell, *rates,
+                          run.tokens_per_s / base if base else None, run.tokens_per_s / best if best else None)
+            if AUTO in rows and best:
+                summary.append(f"c={c}: {rows[AUTO][0].tokens_per_s / best:.3f}")
         close()
 
     model = f"the server's {name}" if server else args.model or (
         "tiny code model trained by the script" if args.tiny else "default model")
     hold = "the engine's default" if args.prefill_hold_steps is None else args.prefill_hold_steps
+    prompts_note = f"{args.random_prompt_len} random token ids" if args.workload == "random" else args.prompts
     notes = [f"model: {model}; "
-             f"prompts: {args.prompts}; prefill_hold_steps: {hold}",
+             f"prompts: {prompts_note}; prefill_hold_steps: {hold}",
              f"gRPC server {args.grpc} (mtpserve.cluster.client), closed loop of `conc` requests in flight"
              if args.grpc else
              f"OpenAI HTTP API of {args.http} (openai client, streaming /v1/completions), closed loop of `conc` "
@@ -146,15 +158,45 @@ def main(argv: list[str] | None = None) -> int:
              "TTFT/TPOT in ms, from the moment " + ("each streamed chunk arrives (the device line is this client's)"
                                                    if server else "step() returns the tokens")
              + "; percentiles interpolated over requests"]
+    if summary:
+        notes.append("auto / best fixed k: " + ", ".join(summary))
     common.report(args, "spec_matrix", device, [table], notes)
     return 0
 
 
 Driver = Callable[[list[workloads.Job], int, str], workloads.Run]
+AUTO = "auto"
+Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
+
+
+def _parse_ks(text: str) -> list[int | str]:
+    return [AUTO if part.strip() == AUTO else int(part) for part in text.split(",") if part.strip()]
+
+
+def _prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] | list[list[int]]:
+    """--workload text: the prompt source; random: random token ids (seeded), which the model can hardly
+    continue predictably, so drafts are mostly rejected."""
+    if args.workload == "text":
+        return workloads.get_prompts(args.prompts, n, args.prompt_lines)
+    check(vocab is not None, "--workload random needs the vocabulary size (not available over --http)")
+    rng = random.Random(args.seed)
+    return [[rng.randrange(vocab) for _ in range(args.random_prompt_len)] for _ in range(n)]
+
+
+def _cell(run: workloads.Run, k: int | str, c: int, max_tokens: int) -> tuple[workloads.Run, list]:
+    """Check one measured cell and format its columns up to AL."""
+    check(all(len(t.token_ids) == max_tokens for t in run.traces), "every request emits max_tokens")
+    check(k in (0, AUTO) or run.spec.num_drafts > 0, f"k = {k} verified no drafts")
+    check(k != 0 or run.spec.num_drafts == 0, "k = 0 verified drafts")
+    ttft = [t.ttft * 1e3 for t in run.traces]
+    tpot = [t.tpot * 1e3 for t in run.traces if t.tpot is not None]
+    print(f"MTP{k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, {run.wall:.1f} s")
+    return run, [f"{run.tokens_per_s:.1f}", percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50),
+                 percentile(tpot, 99), run.spec.acceptance_length]
 
 
 def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,
-                   max_k: int) -> tuple[Driver, str, Callable[[], None]]:
+                   max_k: int) -> Target:
     model = workloads.resolve_model(args.model, args.tiny, tmp)
     hold = {} if args.prefill_hold_steps is None else {"prefill_hold_steps": args.prefill_hold_steps}
     hold["capture_graphs_at_start"] = not args.no_capture_at_start
@@ -165,10 +207,11 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
                                     **hold))
     check(engine.tokenizer is not None, f"{model} has no tokenizer.json: text prompts cannot be encoded")
     check(engine.model_config.mtp.num_modules > 0 or max_k == 0, f"{model} has no MTP modules")
-    return (lambda jobs, c, prefix: workloads.drive(engine, jobs, c, prefix)), model.name, engine.shutdown
+    return ((lambda jobs, c, prefix: workloads.drive(engine, jobs, c, prefix)), model.name, engine.shutdown,
+            engine.model_config.vocab_size)
 
 
-def _grpc_target(args: argparse.Namespace, max_k: int) -> tuple[Driver, str, Callable[[], None]]:
+def _grpc_target(args: argparse.Namespace, max_k: int) -> Target:
     from mtpserve.cluster.client import Client
 
     token = args.token or os.environ.get("MTPSERVE_AUTH_TOKEN")
@@ -177,16 +220,17 @@ def _grpc_target(args: argparse.Namespace, max_k: int) -> tuple[Driver, str, Cal
     check(info.has_tokenizer, f"the server's model {info.name} has no tokenizer: text prompts cannot be sent")
     check(info.num_mtp_modules > 0 or max_k == 0, f"the server's model {info.name} has no MTP modules")
     check(max_k <= info.max_num_speculative_tokens, f"the server allows at most {info.max_num_speculative_tokens} drafts")
-    return (lambda jobs, c, _prefix: workloads.drive_grpc(args.grpc, jobs, c, token)), info.name, lambda: None
+    return ((lambda jobs, c, _prefix: workloads.drive_grpc(args.grpc, jobs, c, token)), info.name, lambda: None,
+            info.vocab_size)
 
 
-def _http_target(args: argparse.Namespace, _max_k: int) -> tuple[Driver, str, Callable[[], None]]:
+def _http_target(args: argparse.Namespace, _max_k: int) -> Target:
     import openai
 
     token = args.token or os.environ.get("MTPSERVE_AUTH_TOKEN")
     with openai.OpenAI(base_url=f"http://{args.http}/v1", api_key=token or "none", max_retries=0, timeout=30) as c:
         name = c.models.list().data[0].id
-    return (lambda jobs, c, _prefix: workloads.drive_http(args.http, name, jobs, c, token)), name, lambda: None
+    return (lambda jobs, c, _prefix: workloads.drive_http(args.http, name, jobs, c, token)), name, lambda: None, None
 
 
 if __name__ == "__main__":

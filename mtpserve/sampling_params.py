@@ -8,6 +8,21 @@ from dataclasses import dataclass, field
 from mtpserve.errors import InvalidRequestError
 
 MAX_SPECULATIVE_TOKENS = 8
+# num_speculative_tokens = "auto": the engine chooses the drafts per step (docs/design.md §9). In gRPC, whose
+# field is an int32, the same is said with SPEC_AUTO_WIRE.
+SPEC_AUTO = "auto"
+SPEC_AUTO_WIRE = -1
+SpecTokens = int | str | None  # a number of drafts, "auto", or None (the engine's default)
+
+
+def parse_spec_tokens(text: str) -> int | str:
+    """A flag's value: "auto" or a number of drafts (range checks are the config's and the request's)."""
+    return SPEC_AUTO if text.strip().lower() == SPEC_AUTO else int(text)
+
+
+def valid_spec_tokens(value: object) -> bool:
+    return value is None or value == SPEC_AUTO or (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SPECULATIVE_TOKENS)
 # Every step searches the new text for each stop string: bound the work one request can ask for.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -19,7 +34,8 @@ class SamplingParams:
 
     Penalties follow vLLM: repetition_penalty scales logits of tokens seen in the prompt or output
     (>1 discourages), presence/frequency penalties subtract per output-token occurrence.
-    `num_speculative_tokens` None takes the engine default; 0 turns speculation off for this request.
+    `num_speculative_tokens` None takes the engine default; 0 turns speculation off for this request; "auto"
+    lets the engine choose each step's drafts (at most its own limit), a number fixes them.
     """
 
     max_tokens: int = 16
@@ -35,7 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: SpecTokens = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a single stop string) from callers, keep tuples so the object stays hashable.
@@ -74,9 +90,8 @@ class SamplingParams:
              f"each at most {MAX_STOP_STRING_CHARS} characters, got one of "
              f"{max((len(s) for s in self.stop if isinstance(s, str)), default=0)}"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
-            ("num_speculative_tokens",
-             self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-             f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"),
+            ("num_speculative_tokens", valid_spec_tokens(self.num_speculative_tokens),
+             f"must be \"auto\" or in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens!r}"),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -178,8 +178,11 @@ class KVBlockManager:
         return [a - b for a, b in zip(self.queries, queries)], [a - b for a, b in zip(self.hits, hits)]
 
     def offer_committed(self, req_id: str, token_ids: list[int], num_computed: int, hashes: list[list[bytes]],
-                        groups: tuple[int, ...]) -> None:
-        """Offer the request's newly full, committed blocks to the cache (cheap when there are none)."""
+                        groups: tuple[int, ...], module_limit: int | None = None) -> None:
+        """Offer the request's newly full, committed blocks to the cache (cheap when there are none).
+
+        module_limit: the MTP groups (1, 2, ...) are offered only below it (their modules may lag past it).
+        """
         if not self.enable_caching or num_computed < self._next_offer.get(req_id, 0):
             return
         bs, n = self.block_size, len(token_ids)
@@ -187,7 +190,8 @@ class KVBlockManager:
         table = self.tables[req_id]
         for g in groups:
             a = group_lookahead(g)
-            upto = min(num_computed // bs, num_hashable_blocks(n, bs, a), len(table[g]))
+            limit = num_computed if g == 0 or module_limit is None else min(num_computed, module_limit)
+            upto = min(limit // bs, num_hashable_blocks(n, bs, a), len(table[g]))
             if upto > offered[g]:
                 extend_hashes(hashes[g], token_ids, bs, a, upto)
                 for b in range(offered[g], upto):

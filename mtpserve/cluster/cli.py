@@ -37,9 +37,15 @@ def _add_sampling_arguments(p: argparse.ArgumentParser, with_max_tokens: bool = 
         p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate")
     for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
                        ("repetition-penalty", float), ("presence-penalty", float), ("frequency-penalty", float),
-                       ("seed", int), ("logprobs", int), ("num-speculative-tokens", int)):
+                       ("seed", int), ("logprobs", int), ("num-speculative-tokens", _spec_tokens)):
         p.add_argument(f"--{name}", type=kind, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _spec_tokens(text: str) -> int | str:
+    """--num-speculative-tokens: a number of drafts or "auto" (as mtpserve.sampling_params.parse_spec_tokens;
+    not imported: this module stays light for the client commands)."""
+    return "auto" if text.strip().lower() == "auto" else int(text)
 
 
 def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mtpserve.sampling_params import SamplingParams
+from mtpserve.sampling_params import SPEC_AUTO, SPEC_AUTO_WIRE, SamplingParams
 from mtpserve.v1 import generation_pb2 as pb
 from mtpserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -100,6 +100,8 @@ def sampling_to_proto(params: Params) -> pb.SamplingParams:
     values = {k: v for k, v in values.items() if v is not None}
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
+    if values.get("num_speculative_tokens") == SPEC_AUTO:
+        values["num_speculative_tokens"] = SPEC_AUTO_WIRE  # the wire's int32 form of "auto"
     return pb.SamplingParams(**values)
 
 

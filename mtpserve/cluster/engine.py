@@ -18,12 +18,13 @@ from mtpserve.cluster.output_processor import OutputProcessor
 from mtpserve.cluster.recovery import FaultBudget, RecoveryEvent, recover
 from mtpserve.cluster.request import Request
 from mtpserve.cluster.scheduler import Scheduler, SchedulerConfig
+from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
 from mtpserve.cluster.stats import SpecCounters, StepStats
 from mtpserve.cluster.tokenizer import Tokenizer
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.errors import InvalidRequestError, WorkerLost
 from mtpserve.outputs import RequestOutput
-from mtpserve.sampling_params import SamplingParams
+from mtpserve.sampling_params import SPEC_AUTO, SamplingParams
 
 
 class Executor(Protocol):
@@ -58,11 +59,16 @@ class LLMEngine:
         self.executor = executor or r.make_executor()
         self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size,
                                      enable_caching=config.enable_prefix_caching)
+        self.adaptive = AdaptiveSpec(AdaptiveConfig(r.max_auto_spec, config.max_num_seqs)) if r.adaptive else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, r.num_mtp_modules, config.mtp_chain,
                             config.prefill_hold_steps),
-            self.blocks,
+            self.blocks, self.adaptive,
         )
+        self._step_clock = _StepClock()
+        for batch, k, seconds in getattr(self.executor, "start_step_costs", ()) if self.adaptive else ():
+            if k <= r.max_auto_spec:
+                self.adaptive.costs.seed(batch, k, seconds)
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec = SpecCounters()
         self.last_stats = StepStats()
@@ -86,16 +92,27 @@ class LLMEngine:
         if params.max_tokens > r.max_model_len - len(token_ids):
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} new tokens after a prompt of "
                                       f"{len(token_ids)} exceed the context of {r.max_model_len}")
-        num_spec = r.default_num_spec if params.num_speculative_tokens is None else params.num_speculative_tokens
-        if num_spec > 0 and r.num_mtp_modules == 0:
-            raise InvalidRequestError("num_speculative_tokens", "this model has no MTP modules to draft with")
+        num_spec, adaptive = self._num_spec(params)
         req = Request(
             request_id, token_ids, len(token_ids), params, num_spec,
             params.seed if params.seed is not None else self._rng.getrandbits(63),
             () if params.ignore_eos else r.eos_token_ids, r.max_model_len, arrival_time or time.monotonic(),
+            adaptive=adaptive,
         )
         self.scheduler.add(req)
         self.outputs.add(req)
+
+    def _num_spec(self, params: SamplingParams) -> tuple[int, bool]:
+        """(drafts per step or, adaptive, their upper bound; adaptive): the request's own setting, else the
+        engine default. "auto" is adaptive where the replica can choose per step (design §9)."""
+        r, spec = self.resolved, params.num_speculative_tokens
+        if spec is None:
+            spec = SPEC_AUTO if r.default_auto else r.default_num_spec
+        if spec == SPEC_AUTO:
+            return r.max_auto_spec, r.adaptive and r.max_auto_spec > 0
+        if spec > 0 and r.num_mtp_modules == 0:
+            raise InvalidRequestError("num_speculative_tokens", "this model has no MTP modules to draft with")
+        return spec, False
 
     def abort_request(self, request_id: str) -> None:
         """Abort a waiting or running request; its KV is freed now and the workers drop it next step."""
@@ -172,8 +189,22 @@ class LLMEngine:
         stats.num_generation_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.spec = step_spec
         stats.target_seconds, stats.draft_seconds = result.target_seconds, result.draft_seconds
+        self._learn_cost(plan, stats)
         self.last_stats = stats
         return outputs
+
+    def _learn_cost(self, plan: StepPlan, stats: StepStats) -> None:
+        """Feed the step-cost model (design §9) and report the chosen k. A step's cost is the time since the
+        previous step ended: with overlapped steps that is what the batch pays per step, host or device.
+        Only decode steps at the same k as the one before count: a step with prompt chunks (or a catch-up
+        after k rose) costs more than its k alone, and must not pollute the decode table."""
+        k = max(plan.num_spec, default=0)
+        seconds = self._step_clock.lap((k, stats.num_prompt_tokens == 0 and not plan.new_requests))
+        if self.adaptive is None or not plan.req_ids:
+            return
+        stats.spec_k, stats.acceptance_estimate = self.scheduler.step_k, self.adaptive.estimates()
+        if seconds is not None and max(plan.num_drafts, default=0) == k:
+            self.adaptive.costs.observe(len(plan.req_ids), k, seconds)
 
     def _prompt_tokens(self, plan: StepPlan) -> int:
         """Prompt tokens this plan computes (recomputation after preemption counts again)."""
@@ -201,3 +232,19 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+class _StepClock:
+    """Times consecutive decode steps of one kind: the lap since the previous step, when both were alike."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, tuple[int, bool]] | None = None
+
+    def lap(self, kind: tuple[int, bool]) -> float | None:
+        """kind: (the step's k, whether it only decoded); returns seconds when this and the last were both
+        decode steps at the same k."""
+        now, last = time.perf_counter(), self._last
+        self._last = (now, kind)
+        if last is None or not kind[1] or last[1] != kind:
+            return None
+        return now - last[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from mtpserve.errors import CheckpointError
-from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SPEC_AUTO, SpecTokens, valid_spec_tokens
 from mtpserve.workers.chain import CHAIN_MODES
 from mtpserve.workers.kv_cache import bytes_per_block
 from mtpserve.workers.model_runner import RunnerConfig
@@ -24,7 +24,10 @@ class EngineConfig:
     model: str | None = None  # checkpoint directory; None = the embedded default model
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
-    num_speculative_tokens: int | None = None  # default per request; None = one per MTP module
+    # Default per request: "auto" chooses each step's drafts from measured acceptance and step costs (design
+    # §9), a number fixes them (0 = off), None = one per MTP module.
+    num_speculative_tokens: SpecTokens = SPEC_AUTO
+    max_auto_speculative_tokens: int | None = None  # "auto"'s upper bound; None = MTP modules + 1
     mtp_chain: str = "depth"  # "depth" (DeepSeek style, recursive past the last module) or "recursive" (EAGLE)
     draft_top_m: int = 32
     block_size: int = 16
@@ -61,8 +64,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mtp_chain not in CHAIN_MODES:
             raise ValueError(f"mtp_chain: must be one of {CHAIN_MODES}, got {self.mtp_chain!r}")
-        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+        if not valid_spec_tokens(self.num_speculative_tokens):
+            raise ValueError(f"num_speculative_tokens: must be \"auto\", null or in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens!r}")
+        auto_max = self.max_auto_speculative_tokens
+        if auto_max is not None and not 1 <= auto_max <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"max_auto_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], got {auto_max}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "draft_top_m", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -89,11 +96,16 @@ class ResolvedConfig:
     device: torch.device
     dtype: torch.dtype
     num_mtp_modules: int  # KV groups for MTP modules in use
-    default_num_spec: int
+    default_num_spec: int  # a request's drafts when it names none (with default_auto: the upper bound)
     max_model_len: int
     num_blocks: int
     eos_token_ids: tuple[int, ...]
     async_scheduling: bool
+    # Adaptive speculation (design §9): whether "auto" chooses per step (it needs the in-process chain; with
+    # a drafter group "auto" means max_auto_spec drafts), its upper bound, and whether it is the default.
+    adaptive: bool = False
+    max_auto_spec: int = 0
+    default_auto: bool = False
 
     @staticmethod
     def resolve(config: EngineConfig) -> "ResolvedConfig":
@@ -105,9 +117,14 @@ class ResolvedConfig:
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _dtype(config.dtype, device)
         modules = cfg.mtp.num_modules if config.mtp_chain == "depth" else min(cfg.mtp.num_modules, 1)
+        auto_max = 0 if cfg.mtp.num_modules == 0 else \
+            config.max_auto_speculative_tokens or min(cfg.mtp.num_modules + 1, MAX_SPECULATIVE_TOKENS)
+        default_auto = config.num_speculative_tokens == SPEC_AUTO and auto_max > 0
         default_spec = config.num_speculative_tokens
         if default_spec is None:
             default_spec = min(cfg.mtp.num_modules, MAX_SPECULATIVE_TOKENS)
+        elif default_spec == SPEC_AUTO:
+            default_spec = auto_max
         max_len = config.max_model_len or cfg.max_position
         if max_len > cfg.max_position:
             raise ValueError(f"max_model_len: {max_len} exceeds the model's {cfg.max_position} positions")
@@ -115,6 +132,7 @@ class ResolvedConfig:
             config, path, cfg, device, dtype, modules, default_spec, max_len,
             _num_blocks(config, cfg, path, modules, max_len, dtype, device), _eos_ids(path, cfg),
             config.async_scheduling if config.async_scheduling is not None else device.type == "cuda",
+            adaptive=auto_max > 0 and config.drafter_devices == 0, max_auto_spec=auto_max, default_auto=default_auto,
         )
 
     def make_executor(self):
@@ -135,8 +153,16 @@ class ResolvedConfig:
         return RunnerConfig(self.num_blocks, c.block_size, c.max_num_seqs, self.num_mtp_modules, c.mtp_chain,
                             c.draft_top_m, cuda_graphs=c.cuda_graphs and c.tensor_parallel_size == 1,
                             max_model_len=self.max_model_len, uniform_steps=c.uniform_steps,
-                            capture_at_start=(0, self.default_num_spec) if c.capture_graphs_at_start else (),
+                            capture_at_start=self._captured_at_start() if c.capture_graphs_at_start else (),
                             prefill_step_rows=c.prefill_step_rows)
+
+
+    def _captured_at_start(self) -> tuple[int, ...]:
+        """k = 0 and the default k; with adaptive speculation by default every k it may choose (so the first
+        steps at each k do not wait on a capture, and the cost model sees each k's real step)."""
+        if self.adaptive and self.default_auto:
+            return tuple(range(self.max_auto_spec + 1))
+        return (0, self.default_num_spec)
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

@@ -27,6 +27,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _STEP = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _ACCEPT_LEN = tuple(float(n) for n in range(1, MAX_SPECULATIVE_TOKENS + 2))
+_CHOSEN_K = tuple(float(k) for k in range(MAX_SPECULATIVE_TOKENS + 1))
 
 
 def kv_group_names(num_mtp_modules: int) -> list[str]:
@@ -105,6 +106,14 @@ class PrometheusLogger:
         self.acceptance_length = Histogram("mtpserve_spec_decode_acceptance_length", "Tokens emitted per "
                                            "verification step (accepted drafts + 1).", buckets=_ACCEPT_LEN,
                                            registry=r)
+        # Adaptive speculation (docs/design.md §9).
+        self.chosen_k = Histogram("mtpserve_spec_decode_chosen_k", "Drafts per request chosen for each step by "
+                                  "adaptive speculation (num_speculative_tokens=auto).", buckets=_CHOSEN_K,
+                                  registry=r)
+        self.acceptance_estimate = Gauge("mtpserve_spec_decode_acceptance_estimate", "Engine-wide estimate of "
+                                         "the probability that a draft at this position is accepted, given the "
+                                         "earlier ones were (the adaptive chooser's prior).", pos_labels,
+                                         registry=r)
 
     def _recovery_metrics(self, r: CollectorRegistry) -> None:
         self.worker_restarts = Counter("mtpserve_worker_restarts", "Worker processes replaced after a worker "
@@ -134,7 +143,7 @@ class PrometheusLogger:
                 self._pos_labels(self.accepted_per_pos, pos)
                 self._pos_labels(self.drafted_per_pos, pos)
 
-    def _pos_labels(self, metric: Counter, position: int) -> Counter:
+    def _pos_labels(self, metric: Counter | Gauge, position: int) -> Counter | Gauge:
         return metric.labels(str(position), str(drafting_module(position, self.num_mtp_modules, self.chain)))
 
     # -- feeding ----------------------------------------------------------------------------------
@@ -170,6 +179,10 @@ class PrometheusLogger:
             if drafted:
                 self._pos_labels(self.accepted_per_pos, pos).inc(accepted)
                 self._pos_labels(self.drafted_per_pos, pos).inc(drafted)
+        if stats.spec_k is not None:
+            self.chosen_k.observe(stats.spec_k)
+        for pos, estimate in enumerate(stats.acceptance_estimate):
+            self._pos_labels(self.acceptance_estimate, pos).set(estimate)
 
     def _record_request(self, out: RequestOutput, now: float) -> None:
         tracked = self._tracked.setdefault(out.request_id, _Tracked())

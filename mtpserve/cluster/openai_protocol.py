@@ -46,7 +46,7 @@ class _Common(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | Literal["auto"] | None = None  # "auto": the engine chooses per step
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # vLLM extra: each choice also carries its token ids

@@ -36,6 +36,12 @@ class Request:
     resume_token: int | None = None  # held out of token_ids while its KV is recomputed (NewRequest.resume_token)
     block_hashes: list[list[bytes]] = field(default_factory=list)  # per KV group: prefix-cache hash chain
     queued_at_step: int = 0  # the scheduler's step count when it queued the request (prefill_hold_steps)
+    # Adaptive speculation (docs/design.md §9): num_spec is then the upper bound and each step chooses k.
+    adaptive: bool = False
+    spec_row: int = -1  # the request's row in the scheduler's AdaptiveSpec while it runs
+    # Where its MTP modules may lag from (a step ran fewer drafts than num_spec): module blocks past it
+    # are not offered to the prefix cache (their entries may not be the teacher-forced ones).
+    modules_exact_upto: int | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -25,7 +25,7 @@ from mtpserve.cluster.engine import LLMEngine
 from mtpserve.cluster.metrics import PrometheusLogger
 from mtpserve.errors import InvalidRequestError, ReplicaFailed
 from mtpserve.outputs import RequestOutput
-from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SPEC_AUTO, SPEC_AUTO_WIRE, SamplingParams
 from mtpserve.v1 import generation_pb2 as pb
 from mtpserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -232,6 +232,8 @@ _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields keep SamplingParams' defaults; raises InvalidRequestError naming the field."""
     kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)}
+    if kwargs.get("num_speculative_tokens") == SPEC_AUTO_WIRE:
+        kwargs["num_speculative_tokens"] = SPEC_AUTO
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, **kwargs)
 
@@ -265,7 +267,8 @@ def model_info(engine: LLMEngine, name: str | None = None) -> pb.ModelInfo:
     return pb.ModelInfo(
         name=name or r.model_path.name, architecture=r.model_config.architecture,
         vocab_size=r.model_config.vocab_size, max_context=r.max_model_len,
-        num_mtp_modules=r.model_config.mtp.num_modules, default_num_speculative_tokens=r.default_num_spec,
+        num_mtp_modules=r.model_config.mtp.num_modules,
+        default_num_speculative_tokens=SPEC_AUTO_WIRE if r.default_auto else r.default_num_spec,
         max_num_speculative_tokens=MAX_SPECULATIVE_TOKENS, tensor_parallel_size=r.config.tensor_parallel_size,
         drafter_devices=r.config.drafter_devices, has_tokenizer=engine.tokenizer is not None)
 

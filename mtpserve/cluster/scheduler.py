@@ -8,8 +8,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from mtpserve.cluster.block_manager import KVBlockManager
 from mtpserve.cluster.request import Request, Status
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.boundary.messages import NewRequest, StepPlan, StepResult
 from mtpserve.workers.chain import extra_positions
 
@@ -28,9 +31,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager, adaptive: AdaptiveSpec | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.adaptive = adaptive  # chooses each step's k for the requests that asked for "auto" (docs/design.md §9)
+        self.step_k: int | None = None  # the k chosen for the step being planned (None: not adaptive)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -67,6 +72,7 @@ class Scheduler:
         if req.status == Status.RUNNING:
             self.running.remove(req)
             self._freed.append(req.request_id)
+            self._release_row(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req.request_id)
@@ -76,6 +82,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.num_steps += 1
         admitting = self._admitting()
+        self._choose_k()
         plan = StepPlan(freed_ids=self._freed)
         self._freed = []
         budget = self.config.max_num_batched_tokens
@@ -107,6 +114,8 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             req.status = Status.RUNNING
+            if self.adaptive is not None:
+                req.spec_row = self.adaptive.admit(req.num_spec, req.adaptive)
             plan.new_requests.append(self._new_request(req))
             self._add_to_plan(plan, req, n, d, [[] for _ in self.blocks.pools])
             budget -= n + d
@@ -124,6 +133,8 @@ class Scheduler:
         if self._admitting() or self._freed or len(in_flight.req_ids) != len(self.running):
             return None
         drafts_in_flight = dict(zip(in_flight.req_ids, in_flight.num_drafts))
+        made_in_flight = dict(zip(in_flight.req_ids, in_flight.num_spec))  # the drafts this plan verifies
+        self._choose_k()
         plan, budget = StepPlan(), self.config.max_num_batched_tokens
         for req in self.running:
             ahead = drafts_in_flight.get(req.request_id, -1) + 1  # tokens the step in flight may emit
@@ -132,7 +143,7 @@ class Scheduler:
                 return None  # not decoding in that step
             if left < 1 or budget < 1:
                 continue
-            d = max(0, min(req.num_drafts, budget - 1, left - 1))
+            d = max(0, min(made_in_flight.get(req.request_id, req.num_spec), self._spec(req), budget - 1, left - 1))
             new_blocks = self.blocks.allocate(req.request_id, self._slots(req, 1 + ahead, d, final=True))
             if new_blocks is None:
                 return None  # the synchronous path may preempt
@@ -152,7 +163,8 @@ class Scheduler:
                 req.num_computed += n
                 self._offer(req)
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
-        advanced = []
+        made = dict(zip(plan.req_ids, plan.num_spec))
+        advanced, seen = [], []
         for req_id, tokens, accepted in zip(result.req_ids, result.token_ids, result.num_accepted):
             req = self.requests.get(req_id)
             if req is None or req.status != Status.RUNNING:
@@ -160,21 +172,44 @@ class Scheduler:
             if req.resume_token is not None:  # the recomputed prefill emitted the held-back token again
                 req.token_ids.append(req.resume_token)
                 req.resume_token = None
-                req.num_computed, req.num_drafts = len(req.token_ids) - 1, req.num_spec
+                req.num_computed, req.num_drafts = len(req.token_ids) - 1, made.get(req_id, req.num_spec)
                 continue
             kept = req.append_verified(tokens)
             # The last token is sampled but not yet fed to the target: it is input to the next step.
             req.num_computed = len(req.token_ids) - 1
-            req.num_drafts = req.num_spec
+            req.num_drafts = made.get(req_id, req.num_spec)
             if drafts[req_id] > 0:
                 req.accepted_per_step.append(accepted)
+                seen.append((req.spec_row, drafts[req_id], accepted))
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             advanced.append((req, tokens[:kept], accepted))
             self._offer(req)
             if req.finish_reason:
                 self.finish(req, req.finish_reason)
+        if self.adaptive is not None and seen:
+            rows, num_drafts, num_accepted = np.array(seen, dtype=np.int64).T
+            self.adaptive.acceptance.observe(rows, num_drafts, num_accepted)
         return advanced
+
+    def _choose_k(self) -> None:
+        """Choose this step's k from the running requests' acceptance and the batch's step costs."""
+        if self.adaptive is not None:
+            rows = np.fromiter((r.spec_row for r in self.running), dtype=np.int64, count=len(self.running))
+            self.step_k = self.adaptive.choose(rows)
+
+    def _spec(self, req: Request) -> int:
+        """Drafts the request's chain makes this step: for an adaptive request the step's k (at most its
+        cap), prompt chunks included, so that a batch at k = 0 prefills as cheaply as without speculation;
+        the modules a step leaves out lag, and the workers catch them up when k rises (design §9)."""
+        if not req.adaptive or self.step_k is None:
+            return req.num_spec
+        return min(self.step_k, req.num_spec)
+
+    def _release_row(self, req: Request) -> None:
+        if self.adaptive is not None and req.spec_row >= 0:
+            self.adaptive.release(req.spec_row)
+            req.spec_row = -1
 
     def _chunk(self, req: Request, budget: int) -> tuple[int, int]:
         """Tokens to compute and drafts to verify this step, within the token budget."""
@@ -183,7 +218,7 @@ class Scheduler:
         if n < remaining:
             return n, 0
         # Drafts past what the request may still emit would only be thrown away.
-        return n, max(0, min(req.num_drafts, budget - n, req.tokens_left - 1))
+        return n, max(0, min(req.num_drafts, self._spec(req), budget - n, req.tokens_left - 1))
 
     def _slots(self, req: Request, n: int, d: int, final: bool | None = None) -> list[int]:
         """Positions each KV group must cover this step (docs/design.md §5)."""
@@ -205,7 +240,7 @@ class Scheduler:
         """Newly committed full blocks become reusable (a no-op until a block fills)."""
         if req.status == Status.RUNNING:
             self.blocks.offer_committed(req.request_id, req.token_ids, req.num_computed, req.block_hashes,
-                                        self._groups(req))
+                                        self._groups(req), req.modules_exact_upto)
 
     def _grow(self, req: Request, n: int, d: int, plan: StepPlan) -> list[list[int]] | None:
         while True:
@@ -219,6 +254,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
+        self._release_row(req)
         self.blocks.free(req.request_id)
         plan.freed_ids.append(req.request_id)
         if req.num_output_tokens and req.resume_token is None:
@@ -226,6 +262,7 @@ class Scheduler:
             # drafts from it exactly as the step that produced it did, so seeded sampling is undisturbed.
             req.resume_token = req.token_ids.pop()
         req.status, req.num_computed, req.num_drafts = Status.WAITING, 0, 0
+        req.modules_exact_upto = None  # the recomputing prefill runs every module again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -255,9 +292,12 @@ class Scheduler:
             num_computed=[req.num_computed if g in self._groups(req) else 0 for g in range(len(self.blocks.pools))],
         )
 
-    @staticmethod
-    def _add_to_plan(plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]]) -> None:
+    def _add_to_plan(self, plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]]) -> None:
+        spec = self._spec(req)
+        if spec < req.num_spec and req.modules_exact_upto is None:
+            req.modules_exact_upto = req.num_computed  # modules past spec stop here until caught up (§9)
         plan.req_ids.append(req.request_id)
         plan.num_tokens.append(n)
         plan.num_drafts.append(d)
         plan.new_block_ids.append(new_blocks)
+        plan.num_spec.append(spec)

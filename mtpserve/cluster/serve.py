@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from mtpserve.cluster.engine_config import EngineConfig
+from mtpserve.sampling_params import parse_spec_tokens
 
 log = logging.getLogger("mtpserve.serve")
 
@@ -63,6 +64,8 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 def _flag_type(f: dataclasses.Field) -> Any:
     """The argparse type of a dataclass field, from its (string) annotation."""
     annotation = str(f.type)
+    if annotation == "SpecTokens":  # a number of drafts or "auto"
+        return parse_spec_tokens
     if annotation.startswith("bool"):
         return bool
     if annotation.startswith(("dict", "list", "tuple")):

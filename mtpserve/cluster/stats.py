@@ -58,3 +58,5 @@ class StepStats:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     spec: SpecCounters = field(default_factory=SpecCounters)  # this step's speculation
+    spec_k: int | None = None  # adaptive speculation: the k chosen for this step (None: not adaptive)
+    acceptance_estimate: list[float] = field(default_factory=list)  # engine-wide, per draft position

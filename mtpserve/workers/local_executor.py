@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.model_runner import ModelRunner, PendingStep, RunnerConfig
+from mtpserve.workers.graph_timing import time_start_graphs
 from mtpserve.workers.models.loader import ModelSource, load_model
 
 
@@ -11,6 +12,9 @@ class LocalExecutor:
     def __init__(self, source: ModelSource, config: RunnerConfig) -> None:
         model = load_model(source.path, source.dtype, source.device)
         self.runner = ModelRunner(model, config, source.dtype, source.device)
+        # (batch bucket, k, seconds) of the graphs captured at start: adaptive speculation's first step costs.
+        uniform = self.runner.uniform
+        self.start_step_costs = time_start_graphs(uniform) if uniform is not None and uniform.use_graphs else []
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)

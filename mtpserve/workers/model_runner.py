@@ -13,7 +13,7 @@ those replicas take the general path, with CUDA graphs for the target forward of
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -68,6 +68,8 @@ class RemoteDrafts(Protocol):
 
 
 class ModelRunner:
+    num_catch_ups = 0  # requests rewound so that lagging modules catch up (design §9; tests and profiles read it)
+
     def __init__(self, model: LoadedModel, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
                  remote: RemoteDrafts | None = None) -> None:
         self.model, self.config, self.device, self.remote = model, config, device, remote
@@ -125,6 +127,7 @@ class ModelRunner:
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return StepResult()
+        plan = self._catch_up(reqs, plan)
         fast = self._at_frontier(reqs, plan)
         if all(fast):
             return self._launch_uniform(reqs, plan)
@@ -169,6 +172,28 @@ class ModelRunner:
                                 lambda r, row: _logprob_dicts(row, 0, 0, r.params.logprobs))
         result.target_seconds = time.perf_counter() - t0  # one graph: no phase split
         return result
+
+    def _catch_up(self, reqs: list[CachedRequest], plan: StepPlan) -> StepPlan:
+        """Rewind requests whose chain reaches a module that lagged (design §9: adaptive speculation ran
+        fewer drafts for a while, so the modules past them stopped committing). Such a request feeds the
+        target again from c, the lowest committed position of the modules its chain uses now, and those
+        modules restart at c: the general path then recomputes the target rows (module 0's hidden input)
+        and every module over the lag, exactly as a prefill chunk of verified tokens (§3's invariant)."""
+        modules = self.config.num_mtp_modules
+        if not modules or self.remote is not None:
+            return plan
+        lagging = [i for i, r in enumerate(reqs) if 0 < r.num_spec and _lags(r, min(r.num_spec, modules))]
+        if not lagging:
+            return plan
+        self.num_catch_ups += len(lagging)
+        num_tokens = list(plan.num_tokens)
+        for i in lagging:
+            r, used = reqs[i], min(reqs[i].num_spec, modules)
+            c = min(r.mtp_computed[:used])
+            r.mtp_computed[:used] = [c] * used
+            num_tokens[i] += r.num_computed - c
+            r.num_computed = c
+        return replace(plan, num_tokens=num_tokens)  # the engine's plan stays as it made it
 
     def _at_frontier(self, reqs: list[CachedRequest], plan: StepPlan) -> list[bool]:
         """Which requests a uniform step can take: one verified token to feed, the rest drafts, and past
@@ -307,6 +332,17 @@ class ModelRunner:
         if self.model.config.mtp.hidden_pre_norm or len(self.model.mtp) == 0:
             return hidden
         return self.model.target.norm(hidden)
+
+
+def _lags(r: CachedRequest, used: int) -> bool:
+    """Whether a module in 0..used-1 has committed less than it is due: min(num_computed, N - m - 1).
+
+    A module runs only in steps where every lower one runs, so the highest lags whenever any does, except
+    in the first `used` positions, where its due position is clamped at 0: there all are checked."""
+    n, c = len(r.token_ids), r.num_computed
+    if n > used:
+        return r.mtp_computed[used - 1] < min(c, n - used)
+    return any(r.mtp_computed[m] < min(c, n - m - 1) for m in range(used))
 
 
 def _force_resumed(reqs: list[CachedRequest], tokens: torch.Tensor) -> None:

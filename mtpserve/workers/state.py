@@ -119,6 +119,12 @@ def apply_plan(requests: dict[str, CachedRequest], slots: SlotBuffers, plan: Ste
             if diffs is not None and blocks and group < diffs.num_groups:
                 diffs.table(group, req.slot, blocks, len(table))
             table.extend(blocks)
+    for req_id, num_spec in zip(plan.req_ids, plan.num_spec):  # adaptive speculation's k (design §9)
+        req = requests[req_id]
+        if req.num_spec != num_spec:
+            req.num_spec = num_spec
+            if diffs is not None:
+                diffs.int_field(NUM_SPEC, req.slot, num_spec)
 
 
 def record_admission(diffs: StateDiffs, req: CachedRequest, vocab: int) -> None:

@@ -159,7 +159,7 @@ def test_dashboard_uses_only_exported_metrics(scrape: tuple[set[str], set[str]])
     for needed in ("running", "waiting", "kv_cache", "prompt_tokens", "generation_tokens", "success",
                    "time_to_first_token", "inter_token", "e2e", "queue_time", "step_duration", "batch_size",
                    "num_drafts", "draft_tokens", "accepted_tokens_per_pos", "acceptance_length", "preemptions",
-                   "prefix_cache_hits", "prefix_cache_queries"):
+                   "prefix_cache_hits", "prefix_cache_queries", "chosen_k", "acceptance_estimate"):
         assert any(needed in m for m in used), f"no panel shows {needed}"
 
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Host time of adaptive speculation per step (docs/design.md §9): choosing the step's k for a batch of
+running requests, learning from a step's accepted counts, and recording its time. The issue budgets
+"well under 50 us per step for 256 requests" for the choice.
+
+    python benchmarks/chooser_overhead.py [--requests 1,8,32,128,256] [--max-k 4] [--steps 3000]
+
+It drives mtpserve.cluster.spec_chooser.AdaptiveSpec directly, as the scheduler does every step: the
+rows of the running requests gathered from Request objects (Scheduler._choose_k), then choose; after
+the step observe (AcceptanceTable.observe) and the cost update (StepCosts.observe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import Table  # noqa: E402
+
+from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+class _Req:  # the one Request field the scheduler reads per running request
+    def __init__(self, row: int) -> None:
+        self.spec_row = row
+
+
+def _us(fn, steps: int) -> tuple[float, float]:
+    us = np.array(common.time_ms(fn, CPU, min(200, steps), steps)) * 1e3
+    return float(np.percentile(us, 50)), float(np.percentile(us, 99))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(p)
+    p.add_argument("--requests", default="1,8,32,128,256")
+    p.add_argument("--max-k", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3000)
+    args = p.parse_args(argv)
+    table = Table("adaptive speculation: host time per step (us, p50 / p99)",
+                  ["requests", "choose p50", "choose p99", "observe p50", "observe p99", "cost p50", "cost p99"])
+    rng = np.random.default_rng(0)
+    for n in common.parse_ints(args.requests):
+        spec = AdaptiveSpec(AdaptiveConfig(max_k=args.max_k, max_rows=max(n, 1)))
+        running = [_Req(spec.admit(args.max_k, i % 5 != 0)) for i in range(n)]  # a fifth with a fixed k
+        drafts = np.full(n, args.max_k)
+        accepted = rng.integers(0, args.max_k + 1, n)
+
+        def choose() -> int:
+            rows = np.fromiter((r.spec_row for r in running), dtype=np.int64, count=len(running))
+            return spec.choose(rows)
+
+        rows = np.array([r.spec_row for r in running])
+        c = _us(choose, args.steps)
+        o = _us(lambda: spec.acceptance.observe(rows, drafts, accepted), args.steps)
+        k = _us(lambda: spec.costs.observe(n, 2, 0.01), args.steps)
+        table.add(str(n), *c, *o, *k)
+    common.report(args, "chooser_overhead", CPU, [table],
+                  ["host only (numpy); choose includes gathering the running requests' rows"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Adaptive speculation (docs/design.md §9): how many drafts each step makes, chosen from measurements.
+
+Three pieces, all numpy over the batch (no per-request Python work beyond gathering row indices):
+
+* `AcceptanceTable`: per request (a row), the conditional acceptance probability of each draft
+  position (p_j: draft j is accepted given drafts 0..j-1 were), decayed so that a change of topic
+  shows within a few steps; a new row starts from the engine-wide prior, itself a slower average of
+  every observation.
+* `StepCosts`: seconds per decode step per (batch bucket, k), exponentially averaged from timed steps
+  (seeded by timing the captured graphs at start where the runner can); a k not yet measured in a
+  bucket is estimated from that bucket's measured k's with the slope fitted over all buckets.
+* `choose_k`: the step's k maximising expected emitted tokens per second of the whole batch, where an
+  adaptive request runs min(k, cap) drafts and a fixed one its own number; with hysteresis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mtpserve.workers.cuda_graphs import batch_buckets
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    max_k: int  # the largest k any request may run (adaptive requests' cap)
+    max_rows: int  # concurrent requests tracked (max_num_seqs)
+    decay: float = 0.3  # weight of one observation in a request's estimate (a topic change shows in ~3 steps)
+    prior_decay: float = 0.02  # weight of one step's batch mean in the engine-wide prior
+    initial_acceptance: float = 0.6  # the prior before anything was observed
+    cost_decay: float = 0.2  # weight of one timed step in its (bucket, k) average
+    per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
+    hysteresis: float = 0.03  # another k must beat the current one by this fraction (switches cost a catch-up)
+
+
+def expected_tokens(p: np.ndarray) -> np.ndarray:
+    """p [R, K] conditional acceptance per position -> [R, K + 1]: E[tokens emitted | k drafts] for k = 0..K,
+    i.e. 1 + sum_{j <= k} prod_{i <= j} p_i (the readable form of what AcceptanceTable keeps per row)."""
+    return np.concatenate((np.ones((p.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(p, axis=1), axis=1)), axis=1)
+
+
+def choose_k(gains: np.ndarray, base: float, floor: int, cost: np.ndarray, current: int,
+             hysteresis: float = 0.0) -> int:
+    """The step's k in 0..K maximising expected tokens per second of the batch.
+
+    gains [K]: summed over the adaptive requests, the expected extra tokens of draft position j + 1 (zero
+    past a request's cap); base: tokens the step emits whatever k is (one per request plus the fixed
+    requests' accepted drafts); floor: the largest fixed request's k (the step runs at least that);
+    cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless another
+    k beats it by the fraction `hysteresis`.
+    """
+    ks = np.arange(cost.shape[0])
+    tokens = base + np.concatenate(([0.0], np.cumsum(gains)))[: len(ks)]
+    rate = tokens / cost[np.maximum(ks, floor)]
+    best = int(np.argmax(rate))
+    if 0 <= current < len(ks) and rate[best] <= rate[current] * (1.0 + hysteresis):
+        return current
+    return best
+
+
+class AcceptanceTable:
+    """Per-request decayed acceptance per draft position, rows reused as requests come and go.
+
+    Kept transposed ([K, rows]) and folded for the chooser: `gain[j, row]` is prod_{i <= j} p_i where
+    position j + 1 is within an adaptive request's cap (else 0), `fixed_tokens[row]` a fixed request's
+    expected accepted drafts at its own k, so that choosing is a gather and a sum.
+    """
+
+    def __init__(self, config: AdaptiveConfig) -> None:
+        self.config = config
+        k, rows = max(config.max_k, 1), config.max_rows
+        self.prior = np.full(k, config.initial_acceptance)
+        self.p = np.tile(self.prior[:, None], (1, rows))  # [K, rows]
+        self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
+        self.adaptive = np.zeros(rows, dtype=bool)
+        self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
+        self.gain = np.zeros((k, rows))
+        self.fixed_tokens = np.zeros(rows)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def acquire(self, cap: int, adaptive: bool) -> int:
+        row = self._free.pop()
+        self.within[:, row] = np.arange(self.p.shape[0]) < cap
+        self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
+        self.set(np.array([row]), self.prior[:, None])
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def set(self, rows: np.ndarray, p: np.ndarray) -> None:
+        """Estimates p [K, n] for rows [n], folded for the chooser."""
+        self.p[:, rows] = p
+        weighted = np.cumprod(p, axis=0) * self.within[:, rows]
+        adaptive = self.adaptive[rows]
+        self.gain[:, rows] = weighted * adaptive
+        self.fixed_tokens[rows] = np.where(adaptive, 0.0, weighted.sum(axis=0))
+
+    def observe(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
+        """A step verified drafts[i] drafts of row rows[i] and accepted accepted[i] of them: positions
+        j < accepted were accepted, position `accepted` (when < drafts) rejected, later ones not seen."""
+        j = np.arange(self.p.shape[0])[:, None]
+        seen = j < np.minimum(accepted + 1, drafts)[None, :]  # [K, n]
+        if not seen.any():
+            return
+        hit = (j < accepted[None, :]).astype(np.float64)
+        a, cur = self.config.decay, self.p[:, rows]
+        self.set(rows, np.where(seen, (1.0 - a) * cur + a * hit, cur))
+        counts = seen.sum(axis=1)
+        means = np.divide((hit * seen).sum(axis=1), counts, out=np.zeros(len(counts)), where=counts > 0)
+        b = self.config.prior_decay
+        self.prior = np.where(counts > 0, (1.0 - b) * self.prior + b * means, self.prior)
+
+
+class StepCosts:
+    """Decode-step seconds per (batch bucket, k): averages of timed steps, estimated where not measured.
+
+    The estimated table is rebuilt when a measurement lands, so that `costs` (every step) is a lookup.
+    """
+
+    def __init__(self, config: AdaptiveConfig) -> None:
+        self.config = config
+        self.buckets = np.array(batch_buckets(config.max_rows))
+        self.seconds = np.full((len(self.buckets), config.max_k + 1), np.nan)
+        self.samples = np.zeros(self.seconds.shape, dtype=np.int64)
+        self._table = self._estimate()
+        self._bucket_of = np.searchsorted(self.buckets, np.arange(config.max_rows + 1))
+
+    def bucket(self, batch: int) -> int:
+        return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        """A timed decode step of `batch` requests whose chain ran k drafts."""
+        b, a = self.bucket(batch), self.config.cost_decay
+        old = self.seconds[b, k]  # the first real step replaces a start-up seed
+        self.seconds[b, k] = seconds if self.samples[b, k] == 0 else (1.0 - a) * old + a * seconds
+        self.samples[b, k] += 1
+        self._table = self._estimate()
+
+    def seed(self, batch: int, k: int, seconds: float) -> None:
+        """A start-up timing (a captured graph's replay): a first estimate that real steps replace."""
+        b = self.bucket(batch)
+        if self.samples[b, k] == 0:
+            self.seconds[b, k] = seconds
+            self._table = self._estimate()
+
+    def slope(self) -> float:
+        """Relative extra cost per draft, fitted over the buckets where k = 0 and some k > 0 are known."""
+        ks = np.arange(1, self.seconds.shape[1])
+        rel = (self.seconds[:, 1:] / self.seconds[:, :1] - 1.0) / ks
+        rel = rel[np.isfinite(rel)]
+        return float(np.clip(rel.mean(), 0.0, 10.0)) if rel.size else self.config.per_draft_cost
+
+    def costs(self, batch: int) -> np.ndarray:
+        """[K + 1] cost of a step at each k for this batch size (only the ratios matter to choose_k)."""
+        return self._table[self.bucket(batch)]
+
+    def _estimate(self) -> np.ndarray:
+        """Measured where known; elsewhere 1 + slope * k, scaled to the bucket's measured level."""
+        model = 1.0 + self.slope() * np.arange(self.seconds.shape[1])
+        known = ~np.isnan(self.seconds)
+        ratio = np.where(known, self.seconds / model, 0.0)
+        count = known.sum(axis=1, keepdims=True)
+        scale = np.divide(ratio.sum(axis=1, keepdims=True), count, out=np.ones_like(ratio[:, :1]), where=count > 0)
+        return np.where(known, self.seconds, model * scale)
+
+
+class AdaptiveSpec:
+    """The scheduler's view: a row per running request, the chosen k per step, and what it learns."""
+
+    def __init__(self, config: AdaptiveConfig) -> None:
+        self.config = config
+        self.acceptance = AcceptanceTable(config)
+        self.costs = StepCosts(config)
+        self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
+
+    def admit(self, cap: int, adaptive: bool) -> int:
+        """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k."""
+        return self.acceptance.acquire(min(cap, self.config.max_k), adaptive)
+
+    def release(self, row: int) -> None:
+        self.acceptance.release(row)
+
+    def choose(self, rows: np.ndarray) -> int:
+        """The step's k for the requests in `rows` (each adaptive one then runs min(k, its cap))."""
+        t = self.acceptance
+        if rows.size == 0 or not t.adaptive.take(rows).any():
+            return self.k
+        gains = t.gain.take(rows, axis=1).sum(axis=1)
+        base = rows.size + t.fixed_tokens.take(rows).sum()
+        floor = int(t.floor_cap.take(rows).max())
+        self.k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
+        return self.k
+
+    def estimates(self) -> list[float]:
+        """The engine-wide acceptance estimate per draft position (for metrics)."""
+        return self.acceptance.prior[: self.config.max_k].tolist()

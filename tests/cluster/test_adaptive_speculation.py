@@ -1,0 +1,113 @@
+"""Adaptive speculation end to end on CPU (docs/design.md §9): whatever k the engine chooses, step by step,
+outputs are those without speculation (greedy) or have the target distribution (sampled), and every
+committed MTP KV entry stays the teacher-forced one after k falls to 0 and rises again.
+
+The chooser is forced through fixed schedules here (down to 0 and back up, in decode and in prefill), so
+that every switch and catch-up happens in a few steps on a tiny model; test_spec_chooser.py tests what
+it would choose.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mtpserve import LLM, SamplingParams
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from tests.cluster.test_lossless_sampling import SAMPLES, SETTINGS, VOCAB, PROMPT, _exact_joint, small_vocab_ckpt  # noqa: F401
+from tests.conftest import prompts_of
+from tests.stats import ALPHA, chi_square_pvalue
+from tests.workers.test_mtp_kv_invariant import _assert_pools_match, _teacher_forced_keys
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+LENGTHS = [1, 2, 3, 5, 7, 9, 12, 15, 17, 20, 23, 26, 30, 33, 38, 41, 4, 11]
+# Down to 0 and back up, one step at a time and in jumps, past the last module (4 = recursive step).
+SCHEDULE = [3, 3, 0, 0, 1, 4, 2, 0, 0, 0, 3, 1, 4, 4, 0, 2]
+
+
+def force_k(monkeypatch: pytest.MonkeyPatch, schedule: list[int]) -> None:
+    """Every step's k comes from `schedule` (cycled) instead of the chooser."""
+    ks = itertools.cycle(schedule)
+    monkeypatch.setattr(AdaptiveSpec, "choose", lambda self, rows: next(ks))
+
+
+def test_auto_is_the_default_and_adaptive(partly_trained: Path) -> None:
+    llm = LLM(str(partly_trained), block_size=4)
+    r = llm.engine.resolved
+    assert (r.default_auto, r.adaptive, r.max_auto_spec) == (True, True, 4)
+    assert llm.engine.adaptive is not None
+
+
+def test_greedy_auto_identical_to_no_speculation_and_to_fixed_k(partly_trained: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = prompts_of(64, LENGTHS, seed=3)
+    # Chunked prefill and preemption as in test_speculative_engine (60 blocks of 4 cannot hold them all).
+    engine = dict(block_size=4, num_kv_blocks=60, max_num_batched_tokens=32)
+    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0, **engine).generate(prompts, GREEDY)]
+    fixed = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=3, **engine).generate(prompts, GREEDY)]
+    assert fixed == expected
+    chosen = LLM(str(partly_trained), **engine)  # the chooser's own choices
+    assert [o.token_ids for o in chosen.generate(prompts, GREEDY)] == expected
+    force_k(monkeypatch, SCHEDULE)
+    llm = LLM(str(partly_trained), **engine)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.executor.runner.num_catch_ups > len(prompts)  # the lagging modules were caught up
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.blocks.all_free
+    accepted = [a for o in outs for a in o.accepted_per_step]
+    assert 0 < sum(accepted), "drafts must be accepted for the test to bite"
+
+
+def test_mixed_batch_of_auto_fixed_and_off_requests(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed k and k = 0 stay what the request asked for, beside adaptive requests."""
+    prompts = prompts_of(64, LENGTHS[:9], seed=5)
+    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, GREEDY)]
+    force_k(monkeypatch, [0, 0, 4, 1, 1, 3])
+    llm = LLM(str(partly_trained), block_size=4)
+    specs = ["auto", 2, 0]
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, num_speculative_tokens=specs[i % 3])
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    for i, o in enumerate(outs):
+        if specs[i % 3] == 0:
+            assert o.accepted_per_step == []
+        if specs[i % 3] == 2:
+            assert max(o.accepted_per_step) <= 2
+
+
+@pytest.mark.parametrize("schedule", [[3, 3, 0, 0, 0, 0, 1, 4, 4], [0, 0, 0, 0, 3, 3], [4, 2, 0, 4, 1, 0, 3]])
+def test_mtp_kv_stays_teacher_forced_after_k_falls_and_rises(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              schedule: list[int]) -> None:
+    force_k(monkeypatch, schedule)
+    llm = LLM(str(partly_trained), block_size=4)
+    runner = llm.engine.executor.runner
+    checked = 0
+    with torch.inference_mode():
+        for prompt in prompts_of(64, [5, 13, 2, 21], seed=4):  # one at a time: a finished request stays until the next plan
+            out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+            req = runner.requests[out.request_id]
+            checked += _assert_pools_match(llm, req, _teacher_forced_keys(llm, prompt + out.token_ids), 4)
+    assert checked > 100
+    assert runner.num_catch_ups > 0
+
+
+@pytest.mark.parametrize("schedule", [
+    [3, 1],  # the prefill drafts 3, the next step verifies only 1 of them (k fell)
+    [0, 3],  # the prefill runs no module; the next step catches all of them up from position 0 and samples
+    [2, 0],  # the second token comes from a step without drafts after a prefill that drafted
+])
+def test_sampled_auto_keeps_the_target_distribution(small_vocab_ckpt: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                     schedule: list[int]) -> None:
+    force_k(monkeypatch, schedule + [4] * 8)
+    s = SETTINGS["penalties"]
+    llm = LLM(str(small_vocab_ckpt), max_num_seqs=1024, max_num_batched_tokens=8192, seed=7)
+    outs = llm.generate([PROMPT] * SAMPLES, SamplingParams(max_tokens=5, ignore_eos=True, **s))
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, ([o.token_ids[0] for o in outs], [o.token_ids[1] for o in outs]), 1)
+    assert llm.engine.spec.num_accepted_tokens > 0
+    assert chi_square_pvalue(counts, _exact_joint(small_vocab_ckpt, s)) > ALPHA

@@ -1,0 +1,141 @@
+"""The adaptive-speculation chooser on synthetic tables (docs/design.md §9): acceptance estimates, step
+costs, and the k it picks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec, StepCosts, choose_k, expected_tokens
+
+K = 4
+
+
+def _spec(p: np.ndarray, costs: list[float], caps: list[int] | None = None, fixed: list[bool] | None = None,
+          hysteresis: float = 0.0) -> tuple[AdaptiveSpec, np.ndarray]:
+    """An AdaptiveSpec whose requests have acceptance p [R, K] and whose batch costs `costs` [K + 1]."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=64, hysteresis=hysteresis))
+    caps = caps or [K] * len(p)
+    fixed = fixed or [False] * len(p)
+    rows = np.array([spec.admit(c, not f) for c, f in zip(caps, fixed)])
+    spec.acceptance.set(rows, p.T)
+    for k, seconds in enumerate(costs):
+        spec.costs.observe(len(p), k, seconds)
+    return spec, rows
+
+
+def _brute_force(p: np.ndarray, caps: np.ndarray, fixed: np.ndarray, costs: np.ndarray) -> list[float]:
+    """sum_i E_i[k_i] / cost[max(k, fixed k's)] for every k, written out."""
+    e = expected_tokens(p)
+    floor = max([c for c, f in zip(caps, fixed) if f], default=0)
+    rates = [sum(e[i, c if f else min(k, c)] for i, (c, f) in enumerate(zip(caps, fixed))) / costs[max(k, floor)]
+             for k in range(len(costs))]
+    return rates
+
+
+COSTS = [1.0, 1.1, 1.2, 1.3, 1.4]
+
+
+def test_never_accepted_drafts_choose_no_speculation() -> None:
+    spec, rows = _spec(np.zeros((8, K)), COSTS)
+    assert spec.choose(rows) == 0
+
+
+def test_always_accepted_drafts_choose_the_largest_k() -> None:
+    spec, rows = _spec(np.ones((8, K)), COSTS)
+    assert spec.choose(rows) == K
+
+
+def test_in_between_the_best_rate_wins() -> None:
+    # p = 0.5 per position, cost 1 + 0.3 k: tokens per cost 1, 1.5/1.3, 1.75/1.6, ... -> k = 1.
+    spec, rows = _spec(np.full((8, K), 0.5), [1.0, 1.3, 1.6, 1.9, 2.2])
+    assert spec.choose(rows) == 1
+    # Cheap drafts and high acceptance: 0.9 per position at 5% per draft -> all four.
+    spec, rows = _spec(np.full((8, K), 0.9), [1.0, 1.05, 1.1, 1.15, 1.2])
+    assert spec.choose(rows) == K
+    # Acceptance falling with position: 0.9, 0.6, 0.2, 0.1 at 10% per draft -> k = 2.
+    spec, rows = _spec(np.tile([0.9, 0.6, 0.2, 0.1], (8, 1)), COSTS)
+    assert spec.choose(rows) == 2
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_the_brute_force_choice_on_random_tables(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    p = rng.uniform(0, 1, (n, K))
+    caps = rng.integers(0, K + 1, n)
+    fixed = rng.uniform(size=n) < 0.3
+    costs = np.cumsum(rng.uniform(0.01, 0.6, K + 1))
+    spec, rows = _spec(p, costs.tolist(), caps.tolist(), fixed.tolist())
+    rates = _brute_force(p, caps, fixed, costs)
+    assert rates[spec.choose(rows)] == pytest.approx(max(rates), rel=1e-12)  # ties (a fixed floor) keep the current k
+
+
+def test_caps_bound_what_drafts_can_earn() -> None:
+    # Every request allows one draft: more costs more and earns nothing.
+    spec, rows = _spec(np.ones((8, K)), COSTS, caps=[1] * 8)
+    assert spec.choose(rows) == 1
+
+
+def test_a_fixed_request_sets_the_floor_of_the_step() -> None:
+    # A fixed k = 3 request makes the step pay k = 3: the adaptive ones may as well draft 3 (p > 0).
+    p = np.full((4, K), 0.2)
+    spec, rows = _spec(p, [1.0, 1.5, 2.0, 2.5, 3.0], caps=[3, K, K, K], fixed=[True, False, False, False])
+    assert spec.choose(rows) == 3
+    spec, rows = _spec(p, [1.0, 1.5, 2.0, 2.5, 3.0])
+    assert spec.choose(rows) == 0
+
+
+def test_hysteresis_keeps_the_current_k_unless_clearly_beaten() -> None:
+    e = expected_tokens(np.full((1, K), 0.5))[0]
+    gains = np.diff(e)
+    cost = np.array([1.0, 1.3, 1.6, 1.9, 2.2])  # rates 1.0, 1.154, 1.094, ...
+    assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.1) == 2  # 1.154 < 1.094 * 1.1
+    assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.01) == 1
+    assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.1) == 1  # 4 is far behind
+
+
+def test_estimates_decay_toward_what_is_observed() -> None:
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, decay=0.5, initial_acceptance=0.6))
+    row = np.array([spec.admit(K, True)])
+    t = spec.acceptance
+    np.testing.assert_allclose(t.p[:, row[0]], 0.6)
+    t.observe(row, np.array([3]), np.array([1]))  # draft 1 accepted, draft 2 rejected, draft 3 not reached
+    np.testing.assert_allclose(t.p[:, row[0]], [0.8, 0.3, 0.6, 0.6])
+    for _ in range(4):  # a change of topic: nothing is accepted any more
+        t.observe(row, np.array([3]), np.array([0]))
+    assert t.p[0, row[0]] < 0.06
+    spec.choose(row)
+    assert spec.k == 0 or spec.choose(row) == 0
+
+
+def test_new_requests_start_from_the_engine_wide_prior() -> None:
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, prior_decay=0.5, initial_acceptance=0.6))
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.observe(rows, np.full(4, 2), np.array([0, 0, 0, 1]))  # position 1: 1 of 4; position 2: 0 of 1
+    np.testing.assert_allclose(spec.estimates(), [0.5 * 0.6 + 0.5 * 0.25, 0.3, 0.6, 0.6])
+    spec.release(int(rows[0]))
+    fresh = spec.admit(K, True)
+    np.testing.assert_allclose(spec.acceptance.p[:, fresh], spec.acceptance.prior)
+
+
+def test_step_costs_measured_where_known_and_modelled_elsewhere() -> None:
+    costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=64, per_draft_cost=0.1))
+    np.testing.assert_allclose(costs.costs(5), [1.0, 1.1, 1.2, 1.3, 1.4])  # nothing measured: the prior
+    costs.observe(5, 0, 0.010)  # bucket of 5 (8): k = 0 measured, the rest from the prior slope
+    np.testing.assert_allclose(costs.costs(5), [0.010, 0.011, 0.012, 0.013, 0.014])
+    costs.observe(5, 2, 0.016)  # slope fitted: 0.3 per draft
+    np.testing.assert_allclose(costs.costs(7), [0.010, 0.013, 0.016, 0.019, 0.022])
+    costs.observe(64, 0, 0.050)  # another bucket learns the fitted slope too
+    np.testing.assert_allclose(costs.costs(64), [0.050, 0.065, 0.080, 0.095, 0.110])
+    costs.observe(5, 2, 0.026)  # an average, not the last sample
+    assert 0.016 < costs.costs(5)[2] < 0.026
+
+
+def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
+    costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=64, cost_decay=0.5))
+    costs.seed(3, 1, 1.0)
+    assert costs.costs(3)[1] == 1.0
+    costs.observe(3, 1, 3.0)
+    costs.seed(3, 1, 1.0)  # a measured cell ignores later seeds
+    assert costs.costs(3)[1] == 2.0
