@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mtpserve.workers.models.moe import MoE
-from mtpserve.workers.tensor_parallel import TPGroup, _block, _column, _param, all_reduce
+from mtpserve.workers.tensor_parallel import TPGroup, _block, _column, _param, all_reduce, partial_product
 
 
 class ExpertParallelMoE(nn.Module):
@@ -24,20 +24,20 @@ class ExpertParallelMoE(nn.Module):
         self.first = tp.rank * num_local
         self.experts = moe.experts
         local = slice(self.first, self.first + num_local)
-        self.experts.gate_up_proj = _param(moe.experts.gate_up_proj[local])
-        self.experts.down_proj = _param(moe.experts.down_proj[local])
-        self.shared_gate_up: nn.Linear | None = None
+        for name, stacked in list(moe.experts.named_parameters(recurse=False)):  # weights (and FP8 scales)
+            setattr(self.experts, name, _param(stacked[local]))
+        self.shared_gate_up: nn.Module | None = None
         if moe.shared_experts is not None:
             inter = moe.shared_experts.gate_up_proj.out_features // 2
             units = _block(tp.rank, inter // tp.world)
             self.shared_gate_up = _column(moe.shared_experts.gate_up_proj, torch.cat((units, inter + units)))
-            self.shared_down = _param(moe.shared_experts.down_proj.weight[:, units.to(moe.shared_experts.down_proj.weight.device)])
+            self.shared_down = partial_product(moe.shared_experts.down_proj, units)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x), first=self.first)
         if self.shared_gate_up is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
-            out = out + nn.functional.linear(nn.functional.silu(gate) * up, self.shared_down)
+            out = out + self.shared_down(nn.functional.silu(gate) * up)
         return all_reduce(out, self.tp)
 
 

@@ -12,6 +12,9 @@ the ones whose outputs must be summed or gathered, Megatron style:
   full logits (bit for bit: each slice comes from exactly one rank). Sampling from them with the
   counter-based RNG gives every rank the same tokens, which keeps all ranks' bookkeeping identical.
 
+FP8 linears (models/fp8_linear.py) stay FP8 where a rank's rows or columns are whole quantisation
+blocks, and are dequantised where they are not.
+
 Attention modules get per-rank head counts, so the KV pools a rank allocates hold only its KV heads
 (latent attention splits its query heads; every rank keeps the whole one-"head" latent pool).
 Collectives run on the tensor-parallel group: NCCL on CUDA, gloo on CPU.
@@ -29,6 +32,7 @@ from torch import nn
 
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.decoder import TargetModel
+from mtpserve.workers.models.fp8_linear import FP8Linear, dequantized, fp8_cols, fp8_rows
 from mtpserve.workers.models.layers import MLP, DecoderLayer
 from mtpserve.workers.models.mtp import MTPStack
 
@@ -68,15 +72,28 @@ def all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T (+ bias once): the input arrives split along its features."""
 
-    def __init__(self, linear: nn.Linear, cols: torch.Tensor, tp: TPGroup) -> None:
+    def __init__(self, linear: nn.Module, cols: torch.Tensor, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = _param(linear.weight[:, cols])
+        self.part = partial_product(linear, cols)
         self.bias = None if linear.bias is None else _param(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(self.part(x), self.tp)
         return y if self.bias is None else y + self.bias
+
+
+def partial_product(linear: nn.Module, cols: torch.Tensor) -> nn.Module:
+    """x_cols -> x_cols @ W[:, cols]^T, no bias (a rank's share of a row-parallel product); FP8 stays FP8
+    when cols are whole blocks."""
+    if isinstance(linear, FP8Linear):
+        part = fp8_cols(linear, cols)
+        if part is not None:
+            return part
+        linear = dequantized(linear)
+    out = nn.Linear(len(cols), linear.out_features, bias=False, device="meta")
+    out.weight = _param(linear.weight[:, cols.to(linear.weight.device)])
+    return out
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -191,7 +208,9 @@ def _block(rank: int, size: int) -> torch.Tensor:
     return torch.arange(rank * size, (rank + 1) * size)
 
 
-def _column(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
+def _column(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
+    if isinstance(linear, FP8Linear):  # FP8 when the rows are whole blocks, else its dequantised rows
+        return fp8_rows(linear, rows) or _column(dequantized(linear), rows)
     out = nn.Linear(linear.in_features, len(rows), bias=linear.bias is not None, device="meta")
     out.weight = _param(linear.weight[rows.to(linear.weight.device)])
     if linear.bias is not None:

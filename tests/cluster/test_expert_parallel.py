@@ -57,7 +57,7 @@ def test_ranks_hold_disjoint_expert_slices(moe_ckpt: Path) -> None:
              for r in range(2)]
     assert [p.first for p in parts] == [0, 4]
     assert torch.equal(torch.cat([p.experts.gate_up_proj for p in parts]), gate_up)
-    assert torch.equal(torch.cat([p.shared_down for p in parts], dim=1), shared)
+    assert torch.equal(torch.cat([p.shared_down.weight for p in parts], dim=1), shared)
 
 
 @pytest.mark.parametrize("drafters", [0, 2], ids=["tp2-colocated", "tp2-drafters2"])

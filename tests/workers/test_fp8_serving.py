@@ -40,7 +40,9 @@ def source(request, tmp_path_factory) -> Path:
 
 def _pools(model: LoadedModel, num_layers: int, seed: int, device: torch.device) -> list[LayerKV]:
     dtype = model.target.embed_tokens.weight.dtype
-    pools = model_kv_pool(model.config, num_layers, 12, 8, seed=seed)
+    # A tensor-parallel rank holds its share of the KV heads (its attention modules say how many).
+    cfg = replace(model.config, num_kv_heads=model.target.layers[0].self_attn.num_kv_heads)
+    pools = model_kv_pool(cfg, num_layers, 12, 8, seed=seed)
     moved = [(kv.k.to(device, dtype), kv.v.to(device, dtype) if kv.v is not kv.k else None) for kv in pools]
     return [LayerKV(k, k if v is None else v) for k, v in moved]  # MLA's one pool stays one tensor
 
@@ -130,3 +132,98 @@ def test_served_fp8_speculates_token_for_token_in_fp32_on_gpu(source: Path, tmp_
         llm.shutdown()
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert [o.accepted_per_step for o in outs[0]] == [o.accepted_per_step for o in outs[1]]
+
+
+def _fp8_linear(out_features: int, in_features: int, block: tuple[int, int], seed: int) -> FP8Linear:
+    gen = torch.Generator().manual_seed(seed)
+    linear = FP8Linear(in_features, out_features, True, block)
+    linear.weight.copy_((4 * torch.randn(out_features, in_features, generator=gen)).to(torch.float8_e4m3fn))
+    linear.weight_scale_inv.copy_(torch.rand(linear.weight_scale_inv.shape, generator=gen) * 0.05 + 1e-3)
+    linear.bias.copy_(torch.randn(out_features, generator=gen))
+    return linear
+
+
+@torch.no_grad()
+def test_tensor_parallel_slices_stay_fp8_on_whole_blocks() -> None:
+    """Column slices (outputs) and row-parallel partial products of an FP8 linear: FP8 when a rank's share
+    is whole 16-row / 16-column blocks (the last block of 72 is short), dequantised otherwise; equal outputs."""
+    from mtpserve.workers.tensor_parallel import _column, partial_product
+
+    linear = _fp8_linear(72, 80, (16, 16), seed=0)
+    x = torch.randn(5, 80, generator=torch.Generator().manual_seed(1))
+    full = linear(x)
+    for rows, fp8 in ((torch.arange(32), True), (torch.arange(32, 72), True), (torch.arange(8, 40), False),
+                      (torch.cat((torch.arange(16), torch.arange(48, 72))), True)):
+        part = _column(linear, rows)
+        assert isinstance(part, FP8Linear) == fp8
+        torch.testing.assert_close(part(x), full[:, rows], rtol=1e-6, atol=1e-6)
+    for halves, fp8 in (((torch.arange(48), torch.arange(48, 80)), True), ((torch.arange(40), torch.arange(40, 80)), False)):
+        parts = [partial_product(linear, cols) for cols in halves]
+        assert all(isinstance(p, FP8Linear) == fp8 for p in parts)
+        summed = sum(p(x[:, cols]) for p, cols in zip(parts, halves)) + linear.bias
+        torch.testing.assert_close(summed, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def single_rank():
+    import torch.distributed as dist
+
+    from mtpserve.workers.tensor_parallel import TPGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield TPGroup(0, 1, None)
+    dist.destroy_process_group()
+
+
+@torch.no_grad()
+def test_tensor_parallel_pass_keeps_fp8(source: Path, tmp_path: Path, single_rank) -> None:
+    """The streaming tensor-parallel load (one rank) of an FP8 checkpoint served as FP8: sharded modules
+    stay FP8 (experts with their scales) and the outputs equal the unsharded FP8 model's."""
+    from mtpserve.workers.models.loader import CheckpointLoader
+    from mtpserve.workers.tensor_parallel import shard_model
+
+    fp8_dir, _ = quantized_pair(source, tmp_path, (16, 16))
+    loader = CheckpointLoader(fp8_dir, torch.float32, "cpu", serve_fp8=True)
+    shard_model(loader.model.target, loader.model.mtp, single_rank,
+                lambda prefix: loader.load(lambda name: name.startswith(prefix), "cpu"), torch.device("cpu"))
+    sharded = loader.model
+    assert isinstance(sharded.target.layers[1].self_attn.o_proj.part, FP8Linear)
+    experts = sharded.target.layers[2].mlp.experts
+    assert isinstance(experts, FP8Experts) and experts.down_proj_scale_inv.shape[0] == experts.down_proj.shape[0]
+    for a, b in zip(logits_of(sharded), logits_of(load_model(fp8_dir, torch.float32, "cpu", serve_fp8=True))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _tp_rank(rank: int, world: int, ckpt: str, init: str, out: str) -> None:
+    """One rank of a gloo group: stream-shard the FP8 checkpoint served as FP8, run it, save rank 0's logits."""
+    import torch.distributed as dist
+
+    from mtpserve.workers.models.loader import CheckpointLoader
+    from mtpserve.workers.tensor_parallel import TPGroup, shard_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        loader = CheckpointLoader(ckpt, torch.float32, "cpu", serve_fp8=True)
+        shard_model(loader.model.target, loader.model.mtp, TPGroup(rank, world, None),
+                    lambda prefix: loader.load(lambda name: name.startswith(prefix), "cpu"), torch.device("cpu"))
+        kinds = sorted({type(m).__name__ for m in loader.model.target.modules() if "FP8" in type(m).__name__})
+        logits = logits_of(loader.model)  # on every rank: the forward's all-reduces need both
+        if rank == 0:
+            torch.save({"logits": logits, "kinds": kinds}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_of_fp8_equal_the_unsharded_fp8_model(source: Path, tmp_path: Path) -> None:
+    """tp = 2 in two processes (gloo): heads, MLP units, experts and shared experts split over the ranks,
+    FP8 where a rank's share is whole blocks (DeepSeek's 24-column o_proj shares are dequantised)."""
+    import torch.multiprocessing as mp
+
+    fp8_dir, _ = quantized_pair(source, tmp_path, (16, 16))
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_tp_rank, args=(2, str(fp8_dir), f"file://{tmp_path / 'store'}", str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["kinds"] == ["FP8Experts", "FP8Linear"]
+    for a, b in zip(got["logits"], logits_of(load_model(fp8_dir, torch.float32, "cpu", serve_fp8=True))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

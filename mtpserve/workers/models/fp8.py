@@ -4,8 +4,8 @@ A quantised tensor `X.weight` [rows, cols] is float8_e4m3fn and comes with `X.we
 [ceil(rows / br), ceil(cols / bc)] (fp32): weight[i, j] = fp8[i, j] * scale_inv[i // br, j // bc].
 Which tensors are quantised is read from the checkpoint (a tensor with a scale is), so a target in FP8
 beside MTP modules in BF16 loads as it is. On CUDA the quantised weights stay FP8 with their scales
-(fp8_linear.py: Triton block-scaled GEMMs); on a CPU, and for tensor-parallel loads, they are dequantised
-to the compute dtype as they load.
+(fp8_linear.py: Triton block-scaled GEMMs); on a CPU they are dequantised to the compute dtype as they
+load.
 """
 
 from __future__ import annotations

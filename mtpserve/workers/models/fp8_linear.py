@@ -15,6 +15,10 @@ Which parameters are served as FP8 is decided per parameter from the checkpoint 
 tensor filling it is FP8 with a scale, and the fused parameters (q|k|v, gate|up) start each segment
 on a block boundary, so one scale grid covers the whole fused matrix. MLA's kv_b_proj is always
 dequantised: the absorbed attention reads its matrix per head (mla.py).
+
+Tensor parallelism (workers/tensor_parallel.py) slices FP8 linears with `fp8_rows` / `fp8_cols`: a
+rank's slice stays FP8 when it is made of whole quantisation blocks (the scales slice with it), and
+is dequantised (`dequantized`) otherwise, e.g. GLM-4.5-Air's 1408-wide shared expert over two ranks.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class FP8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int]) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.compute_dtype = torch.get_default_dtype()  # the model's (built under the loader's default dtype)
         self.weight = _fp8_param(out_features, in_features)
         self.weight_scale_inv = _scale_param(out_features, in_features, block)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -159,6 +164,61 @@ def swap_in(root: nn.Module, params: set[str], block: tuple[int, int], prefix: s
             with torch.device(owner.gate_up_proj.device):
                 new = FP8Experts(hidden, moe, block)
             setattr(root.get_submodule(parent_name), child, new)
+
+
+def _whole_blocks(index: torch.Tensor, size: int, block: int) -> torch.Tensor | None:
+    """The quantisation blocks that `index` (positions along a dimension of `size`) covers, in order, when
+    it is made of whole blocks, the last one possibly the dimension's short end; None otherwise."""
+    index = index.cpu()
+    blocks = torch.unique_consecutive(index // block)
+    whole = [torch.arange(b * block, min((b + 1) * block, size)) for b in blocks.tolist()]
+    return blocks if whole and torch.equal(torch.cat(whole), index) else None
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone().contiguous(), requires_grad=False)
+
+
+@torch.no_grad()
+def fp8_rows(linear: FP8Linear, rows: torch.Tensor) -> FP8Linear | None:
+    """Outputs `rows` of linear (bias included) as an FP8Linear, or None unless they are whole blocks."""
+    blocks = _whole_blocks(rows, linear.out_features, linear.block[0])
+    if blocks is None:
+        return None
+    with torch.device("meta"):
+        out = FP8Linear(linear.in_features, len(rows), linear.bias is not None, linear.block)
+    out.compute_dtype = linear.compute_dtype
+    out.weight = _frozen(linear.weight[rows.to(linear.weight.device)])
+    out.weight_scale_inv = _frozen(linear.weight_scale_inv[blocks.to(linear.weight.device)])
+    if linear.bias is not None:
+        out.bias = _frozen(linear.bias[rows.to(linear.bias.device)])
+    return out
+
+
+@torch.no_grad()
+def fp8_cols(linear: FP8Linear, cols: torch.Tensor) -> FP8Linear | None:
+    """x[:, cols] -> x @ W[:, cols]^T (no bias: a partial sum) as an FP8Linear, or None unless cols are whole blocks."""
+    blocks = _whole_blocks(cols, linear.in_features, linear.block[1])
+    if blocks is None:
+        return None
+    with torch.device("meta"):
+        out = FP8Linear(len(cols), linear.out_features, False, linear.block)
+    out.compute_dtype = linear.compute_dtype
+    out.weight = _frozen(linear.weight[:, cols.to(linear.weight.device)])
+    out.weight_scale_inv = _frozen(linear.weight_scale_inv[:, blocks.to(linear.weight.device)])
+    return out
+
+
+@torch.no_grad()
+def dequantized(linear: FP8Linear) -> nn.Linear:
+    """The plain linear of linear's values in its compute dtype (what a dequantising load gives)."""
+    with torch.device("meta"):
+        out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    weight = dequantize_block_fp8(linear.weight, linear.weight_scale_inv, linear.block)
+    out.weight = _frozen(weight.to(linear.compute_dtype))
+    if linear.bias is not None:
+        out.bias = _frozen(linear.bias)
+    return out
 
 
 @torch.no_grad()

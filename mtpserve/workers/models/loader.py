@@ -53,8 +53,6 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
 
     `serve_fp8` (default: on CUDA devices) keeps a block-scaled FP8 checkpoint's weights in FP8
     (models/fp8_linear.py); otherwise they are dequantised to `dtype` as they load."""
-    if serve_fp8 is None:
-        serve_fp8 = torch.device(device).type == "cuda"
     loader = CheckpointLoader(path, dtype, device, serve_fp8)
     loader.load(keep, device)
     return loader.model
@@ -64,11 +62,12 @@ class CheckpointLoader:
     """A checked checkpoint and its model built on the meta device, loaded a part at a time.
 
     Tensor parallelism loads this way: one layer on the host, shard it, move the shard to the device,
-    next layer; so a rank never holds the whole model, on the device or on the host. It dequantises FP8
-    (serve_fp8=False): the tensor-parallel pass shards plain linears only.
+    next layer; so a rank never holds the whole model, on the device or on the host. `serve_fp8` as in
+    load_model (default: on CUDA devices); the tensor-parallel pass slices FP8 linears by whole blocks.
     """
 
-    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device | str, serve_fp8: bool = False) -> None:
+    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                 serve_fp8: bool | None = None) -> None:
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
@@ -78,6 +77,7 @@ class CheckpointLoader:
         _check(cfg, specs, self.index)
         self.present = [s for s in specs if s.ckpt_name in self.index]
         self.fp8_params: set[str] = set()  # parameters kept in FP8
+        serve_fp8 = torch.device(device).type == "cuda" if serve_fp8 is None else serve_fp8
         with torch.device("meta"), default_dtype(dtype):
             target = TargetModel(cfg)
             mtp = MTPStack(cfg, target.rotary)
