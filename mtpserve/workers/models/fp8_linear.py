@@ -179,34 +179,32 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().clone().contiguous(), requires_grad=False)
 
 
+def _slice(linear: FP8Linear, dim: int, index: torch.Tensor, bias: torch.Tensor | None) -> FP8Linear | None:
+    """linear's weight and scales restricted to `index` along `dim` (0: outputs, 1: inputs), or None
+    unless `index` is whole quantisation blocks."""
+    blocks = _whole_blocks(index, linear.weight.shape[dim], linear.block[dim])
+    if blocks is None:
+        return None
+    weight = linear.weight.index_select(dim, index.to(linear.weight.device))
+    with torch.device("meta"):
+        out = FP8Linear(weight.shape[1], weight.shape[0], bias is not None, linear.block)
+    out.compute_dtype, out.weight = linear.compute_dtype, _frozen(weight)
+    out.weight_scale_inv = _frozen(linear.weight_scale_inv.index_select(dim, blocks.to(linear.weight.device)))
+    out.bias = None if bias is None else _frozen(bias)
+    return out
+
+
 @torch.no_grad()
 def fp8_rows(linear: FP8Linear, rows: torch.Tensor) -> FP8Linear | None:
     """Outputs `rows` of linear (bias included) as an FP8Linear, or None unless they are whole blocks."""
-    blocks = _whole_blocks(rows, linear.out_features, linear.block[0])
-    if blocks is None:
-        return None
-    with torch.device("meta"):
-        out = FP8Linear(linear.in_features, len(rows), linear.bias is not None, linear.block)
-    out.compute_dtype = linear.compute_dtype
-    out.weight = _frozen(linear.weight[rows.to(linear.weight.device)])
-    out.weight_scale_inv = _frozen(linear.weight_scale_inv[blocks.to(linear.weight.device)])
-    if linear.bias is not None:
-        out.bias = _frozen(linear.bias[rows.to(linear.bias.device)])
-    return out
+    bias = None if linear.bias is None else linear.bias[rows.to(linear.bias.device)]
+    return _slice(linear, 0, rows, bias)
 
 
 @torch.no_grad()
 def fp8_cols(linear: FP8Linear, cols: torch.Tensor) -> FP8Linear | None:
     """x[:, cols] -> x @ W[:, cols]^T (no bias: a partial sum) as an FP8Linear, or None unless cols are whole blocks."""
-    blocks = _whole_blocks(cols, linear.in_features, linear.block[1])
-    if blocks is None:
-        return None
-    with torch.device("meta"):
-        out = FP8Linear(len(cols), linear.out_features, False, linear.block)
-    out.compute_dtype = linear.compute_dtype
-    out.weight = _frozen(linear.weight[:, cols.to(linear.weight.device)])
-    out.weight_scale_inv = _frozen(linear.weight_scale_inv[:, blocks.to(linear.weight.device)])
-    return out
+    return _slice(linear, 1, cols, None)
 
 
 @torch.no_grad()
