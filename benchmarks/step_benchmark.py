@@ -151,7 +151,7 @@ class Driver:
                 new.append(NewRequest(rid, tokens, context, GREEDY, k, self.serial, [blocks] * self.groups))
             ids = [n.request_id for n in new]
             plan = StepPlan(new, ids, [context] * len(new), [0] * len(new),
-                            [[[] for _ in range(self.groups)] for _ in new], freed)
+                            [[[] for _ in range(self.groups)] for _ in new], freed_ids=freed)
             result = self.runner.execute(plan)
             check(result.req_ids == ids, "every prefilled request samples its first token")
             self.live += ids
@@ -192,8 +192,9 @@ def use_gemm(runner: ModelRunner, mode: str) -> None:
     """Switch the linear dispatch; graphs captured under another mode are dropped (they hold its kernels)."""
     if linear_dispatch.mode() != mode:
         linear_dispatch.set_mode(mode)
-        if runner.uniform is not None:
+        if runner.uniform is not None:  # a pool whose graphs are all gone must not be captured into again
             runner.uniform.graphs.clear()
+            runner.uniform.pool = torch.cuda.graph_pool_handle() if runner.uniform.use_graphs else None
 
 
 def time_step(driver: Driver, batch: int, spec: int, drafts: int, device: torch.device,
