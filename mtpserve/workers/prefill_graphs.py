@@ -50,7 +50,8 @@ class PrefillGraphs:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.pad = self.use_graphs  # tests pad on CPU too, to check that padded rows change nothing
         self.entries = max_num_seqs + 1  # R with padding: every request, plus the owner of the padding rows
-        self.buckets = row_buckets(max(max_rows, MIN_ROWS))
+        # The padding rows' owner reads its block table up to T: T stays within a table's positions.
+        self.buckets = row_buckets(max(min(max_rows, state.max_blocks * state.block_size), MIN_ROWS))
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[PrefillShape, _Graph] = {}
         self.runs = self.replays = 0

@@ -18,6 +18,8 @@ from mtpserve import LLM, SamplingParams
 from mtpserve.boundary.messages import NewRequest, StepPlan
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.prefill_graphs import row_buckets
+from mtpserve.workers.prefill_step import PrefillShape
+from mtpserve.workers.slot_state import SamplingFlags
 from mtpserve.workers.state import CachedRequest
 from tests.conftest import prompts_of
 from tests.workers.test_uniform_step import SETTINGS, _params, _same, sync_errors
@@ -140,3 +142,17 @@ def test_a_captured_prefill_step_makes_no_host_sync(partly_trained: Path) -> Non
     runner.prefill.run = strict
     llm.generate(prompts_of(64, [6, 9], seed=2), SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=3))
     assert checked and runner.prefill.replays >= 2
+
+
+def test_an_all_padding_step_stays_inside_the_block_tables(partly_trained: Path) -> None:
+    """What a capture runs: every row belongs to the padding owner, at positions up to the largest bucket.
+    They must stay inside the pad slot's block table (on a GPU an overrun is an illegal memory access)."""
+    prefill = _llm(partly_trained, prefill=True, pad=True).engine.executor.runner.prefill
+    state = prefill.state
+    assert prefill.buckets[-1] <= state.max_blocks * state.block_size
+    shape = PrefillShape(prefill.buckets[-1], 3, SamplingFlags(all_greedy=False))
+    head = torch.from_numpy(prefill._head([], [], prefill.entries, shape))
+    before = [p.k.clone() for p in prefill.step.kv.target]
+    out, raw = prefill.step(prefill._inputs(head, prefill.entries, shape), shape)
+    assert out.shape == (prefill.entries, 2) and torch.isfinite(raw).all()
+    assert all(torch.equal(a, p.k) for a, p in zip(before, prefill.step.kv.target)), "padding wrote KV"
