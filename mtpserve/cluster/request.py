@@ -40,8 +40,10 @@ class Request:
     adaptive: bool = False
     spec_row: int = -1  # the request's row in the scheduler's AdaptiveSpec while it runs
     # Where its MTP modules may lag from (a step ran fewer drafts than num_spec): module blocks past it
-    # are not offered to the prefix cache (their entries may not be the teacher-forced ones).
+    # are not offered to the prefix cache (their entries may not be the teacher-forced ones). Also how far
+    # back a catch-up would rewind: past Scheduler.MAX_CATCH_UP the request stays at live_spec drafts.
     modules_exact_upto: int | None = None
+    live_spec: int = -1  # drafts whose modules are all committed to the frontier (-1: all of num_spec)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -31,11 +31,16 @@ class SchedulerConfig:
 
 
 class Scheduler:
+    # A request whose modules have lagged over more positions than this keeps the drafts its current modules
+    # give: raising k would rewind it that far (design §9), a recomputation bigger than it can pay back.
+    MAX_CATCH_UP = 256
+
     def __init__(self, config: SchedulerConfig, blocks: KVBlockManager, adaptive: AdaptiveSpec | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.adaptive = adaptive  # chooses each step's k for the requests that asked for "auto" (docs/design.md §9)
         self.step_k: int | None = None  # the k chosen for the step being planned (None: not adaptive)
+        self._rows: np.ndarray | None = None  # the running requests' AdaptiveSpec rows (None: running changed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -71,6 +76,7 @@ class Scheduler:
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
+            self._rows = None
             self._freed.append(req.request_id)
             self._release_row(req)
         elif req.status == Status.WAITING:
@@ -113,6 +119,7 @@ class Scheduler:
             self.blocks.count_admission(groups, len(req.token_ids), req.num_computed)
             self.waiting.popleft()
             self.running.append(req)
+            self._rows = None
             req.status = Status.RUNNING
             if self.adaptive is not None:
                 req.spec_row = self.adaptive.admit(req.num_spec, req.adaptive)
@@ -195,8 +202,9 @@ class Scheduler:
     def _choose_k(self) -> None:
         """Choose this step's k from the running requests' acceptance and the batch's step costs."""
         if self.adaptive is not None:
-            rows = np.fromiter((r.spec_row for r in self.running), dtype=np.int64, count=len(self.running))
-            self.step_k = self.adaptive.choose(rows)
+            if self._rows is None:  # gathered again only when the running set changed
+                self._rows = np.fromiter((r.spec_row for r in self.running), dtype=np.int64, count=len(self.running))
+            self.step_k = self.adaptive.choose(self._rows)
 
     def _spec(self, req: Request) -> int:
         """Drafts the request's chain makes this step: for an adaptive request the step's k (at most its
@@ -204,7 +212,10 @@ class Scheduler:
         the modules a step leaves out lag, and the workers catch them up when k rises (design §9)."""
         if not req.adaptive or self.step_k is None:
             return req.num_spec
-        return min(self.step_k, req.num_spec)
+        k = min(self.step_k, req.num_spec)
+        if 0 <= req.live_spec < k and req.num_computed - req.modules_exact_upto > self.MAX_CATCH_UP:
+            return req.live_spec
+        return k
 
     def _release_row(self, req: Request) -> None:
         if self.adaptive is not None and req.spec_row >= 0:
@@ -254,6 +265,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
+        self._rows = None
         self._release_row(req)
         self.blocks.free(req.request_id)
         plan.freed_ids.append(req.request_id)
@@ -262,7 +274,7 @@ class Scheduler:
             # drafts from it exactly as the step that produced it did, so seeded sampling is undisturbed.
             req.resume_token = req.token_ids.pop()
         req.status, req.num_computed, req.num_drafts = Status.WAITING, 0, 0
-        req.modules_exact_upto = None  # the recomputing prefill runs every module again
+        req.modules_exact_upto, req.live_spec = None, -1  # the recomputing prefill runs every module again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -296,6 +308,7 @@ class Scheduler:
         spec = self._spec(req)
         if spec < req.num_spec and req.modules_exact_upto is None:
             req.modules_exact_upto = req.num_computed  # modules past spec stop here until caught up (§9)
+        req.live_spec = -1 if spec == req.num_spec else spec  # the workers catch modules up when it rises
         plan.req_ids.append(req.request_id)
         plan.num_tokens.append(n)
         plan.num_drafts.append(d)

@@ -116,14 +116,20 @@ class AcceptanceTable:
 class StepCosts:
     """Decode-step seconds per (batch bucket, k): averages of timed steps, estimated where not measured.
 
-    The estimated table is rebuilt when a measurement lands, so that `costs` (every step) is a lookup.
+    The estimated table is kept up to date as measurements land, so that `costs` (every step) is a
+    lookup: the observed bucket's row at once, the whole table (the fitted slope) when a cell is first
+    measured and every `REFIT` samples after.
     """
+
+    REFIT = 32
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self.buckets = np.array(batch_buckets(config.max_rows))
         self.seconds = np.full((len(self.buckets), config.max_k + 1), np.nan)
         self.samples = np.zeros(self.seconds.shape, dtype=np.int64)
+        self._count = 0
+        self._slope = config.per_draft_cost
         self._table = self._estimate()
         self._bucket_of = np.searchsorted(self.buckets, np.arange(config.max_rows + 1))
 
@@ -133,16 +139,22 @@ class StepCosts:
     def observe(self, batch: int, k: int, seconds: float) -> None:
         """A timed decode step of `batch` requests whose chain ran k drafts."""
         b, a = self.bucket(batch), self.config.cost_decay
-        old = self.seconds[b, k]  # the first real step replaces a start-up seed
-        self.seconds[b, k] = seconds if self.samples[b, k] == 0 else (1.0 - a) * old + a * seconds
+        old, first = self.seconds[b, k], self.samples[b, k] == 0
+        self.seconds[b, k] = seconds if first else (1.0 - a) * old + a * seconds  # a first step replaces a seed
         self.samples[b, k] += 1
-        self._table = self._estimate()
+        self._count += 1
+        if first or self._count % self.REFIT == 0:
+            self._slope = self.slope()
+            self._table = self._estimate()
+        else:
+            self._table[b] = self._estimate(self.seconds[b : b + 1])[0]
 
     def seed(self, batch: int, k: int, seconds: float) -> None:
         """A start-up timing (a captured graph's replay): a first estimate that real steps replace."""
         b = self.bucket(batch)
         if self.samples[b, k] == 0:
             self.seconds[b, k] = seconds
+            self._slope = self.slope()
             self._table = self._estimate()
 
     def slope(self) -> float:
@@ -156,14 +168,15 @@ class StepCosts:
         """[K + 1] cost of a step at each k for this batch size (only the ratios matter to choose_k)."""
         return self._table[self.bucket(batch)]
 
-    def _estimate(self) -> np.ndarray:
+    def _estimate(self, seconds: np.ndarray | None = None) -> np.ndarray:
         """Measured where known; elsewhere 1 + slope * k, scaled to the bucket's measured level."""
-        model = 1.0 + self.slope() * np.arange(self.seconds.shape[1])
-        known = ~np.isnan(self.seconds)
-        ratio = np.where(known, self.seconds / model, 0.0)
+        seconds = self.seconds if seconds is None else seconds
+        model = 1.0 + self._slope * np.arange(seconds.shape[1])
+        known = ~np.isnan(seconds)
+        ratio = np.where(known, seconds / model, 0.0)
         count = known.sum(axis=1, keepdims=True)
         scale = np.divide(ratio.sum(axis=1, keepdims=True), count, out=np.ones_like(ratio[:, :1]), where=count > 0)
-        return np.where(known, self.seconds, model * scale)
+        return np.where(known, seconds, model * scale)
 
 
 class AdaptiveSpec:

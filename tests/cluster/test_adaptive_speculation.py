@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mtpserve import LLM, SamplingParams
+from mtpserve.cluster.scheduler import Scheduler
 from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from tests.cluster.test_lossless_sampling import SAMPLES, SETTINGS, VOCAB, PROMPT, _exact_joint, small_vocab_ckpt  # noqa: F401
 from tests.conftest import prompts_of
@@ -78,6 +79,19 @@ def test_mixed_batch_of_auto_fixed_and_off_requests(partly_trained: Path, monkey
             assert o.accepted_per_step == []
         if specs[i % 3] == 2:
             assert max(o.accepted_per_step) <= 2
+
+
+def test_a_long_lag_is_not_caught_up(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past Scheduler.MAX_CATCH_UP lagged positions a request keeps the drafts its current modules give."""
+    prompts = prompts_of(64, [5, 9, 14], seed=8)
+    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, GREEDY)]
+    monkeypatch.setattr(Scheduler, "MAX_CATCH_UP", 2)
+    force_k(monkeypatch, [3, 3] + [0] * 6 + [3] * 40)
+    llm = LLM(str(partly_trained), block_size=4)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.executor.runner.num_catch_ups == 0
+    assert all(len(o.accepted_per_step) <= 2 for o in outs)  # drafts verified only after the first two steps
 
 
 @pytest.mark.parametrize("schedule", [[3, 3, 0, 0, 0, 0, 1, 4, 4], [0, 0, 0, 0, 3, 3], [4, 2, 0, 4, 1, 0, 3]])

@@ -136,6 +136,8 @@ def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
     costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=64, cost_decay=0.5))
     costs.seed(3, 1, 1.0)
     assert costs.costs(3)[1] == 1.0
-    costs.observe(3, 1, 3.0)
-    costs.seed(3, 1, 1.0)  # a measured cell ignores later seeds
+    costs.observe(3, 1, 3.0)  # the first real step replaces the seed ...
+    assert costs.costs(3)[1] == 3.0
+    costs.seed(3, 1, 1.0)  # ... a measured cell ignores later seeds ...
+    costs.observe(3, 1, 1.0)  # ... and later steps are averaged in
     assert costs.costs(3)[1] == 2.0
