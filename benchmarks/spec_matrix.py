@@ -207,8 +207,18 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
                                     **hold))
     check(engine.tokenizer is not None, f"{model} has no tokenizer.json: text prompts cannot be encoded")
     check(engine.model_config.mtp.num_modules > 0 or max_k == 0, f"{model} has no MTP modules")
-    return ((lambda jobs, c, prefix: workloads.drive(engine, jobs, c, prefix)), model.name, engine.shutdown,
-            engine.model_config.vocab_size)
+
+    def drive(jobs: list[workloads.Job], c: int, prefix: str) -> workloads.Run:
+        adaptive, runner = engine.adaptive, getattr(engine.executor, "runner", None)
+        before = (adaptive.chosen.copy(), runner.num_catch_ups) if adaptive and runner else None
+        run = workloads.drive(engine, jobs, c, prefix)
+        if before is not None and any(j.params.num_speculative_tokens == AUTO for j in jobs):
+            steps = adaptive.chosen - before[0]
+            print(f"  auto {prefix}: steps per chosen k {dict(enumerate(steps.tolist()))}, "
+                  f"requests caught up {runner.num_catch_ups - before[1]}")
+        return run
+
+    return drive, model.name, engine.shutdown, engine.model_config.vocab_size
 
 
 def _grpc_target(args: argparse.Namespace, max_k: int) -> Target:

@@ -71,6 +71,7 @@ class AcceptanceTable:
         self.config = config
         k, rows = max(config.max_k, 1), config.max_rows
         self.prior = np.full(k, config.initial_acceptance)
+        self._j = np.arange(k)[:, None]  # draft positions, as a column
         self.p = np.tile(self.prior[:, None], (1, rows))  # [K, rows]
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
         self.adaptive = np.zeros(rows, dtype=bool)
@@ -100,17 +101,13 @@ class AcceptanceTable:
     def observe(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
         """A step verified drafts[i] drafts of row rows[i] and accepted accepted[i] of them: positions
         j < accepted were accepted, position `accepted` (when < drafts) rejected, later ones not seen."""
-        j = np.arange(self.p.shape[0])[:, None]
-        seen = j < np.minimum(accepted + 1, drafts)[None, :]  # [K, n]
-        if not seen.any():
-            return
-        hit = (j < accepted[None, :]).astype(np.float64)
-        a, cur = self.config.decay, self.p[:, rows]
-        self.set(rows, np.where(seen, (1.0 - a) * cur + a * hit, cur))
+        seen = self._j < np.minimum(accepted + 1, drafts)  # [K, n]
+        hit = self._j < accepted
+        cur = self.p[:, rows]
+        self.set(rows, cur + self.config.decay * seen * (hit - cur))
         counts = seen.sum(axis=1)
-        means = np.divide((hit * seen).sum(axis=1), counts, out=np.zeros(len(counts)), where=counts > 0)
-        b = self.config.prior_decay
-        self.prior = np.where(counts > 0, (1.0 - b) * self.prior + b * means, self.prior)
+        means = (hit & seen).sum(axis=1) / np.maximum(counts, 1)
+        self.prior += self.config.prior_decay * (counts > 0) * (means - self.prior)
 
 
 class StepCosts:
@@ -187,6 +184,7 @@ class AdaptiveSpec:
         self.acceptance = AcceptanceTable(config)
         self.costs = StepCosts(config)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
+        self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
 
     def admit(self, cap: int, adaptive: bool) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k."""
@@ -204,6 +202,7 @@ class AdaptiveSpec:
         base = rows.size + t.fixed_tokens.take(rows).sum()
         floor = int(t.floor_cap.take(rows).max())
         self.k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
+        self.chosen[self.k] += 1
         return self.k
 
     def estimates(self) -> list[float]:

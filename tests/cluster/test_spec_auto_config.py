@@ -100,3 +100,15 @@ def test_openai_extra_field_says_auto() -> None:
     with pytest.raises(InvalidRequestError) as e:
         CompletionRequest(model="m", prompt="hi", num_speculative_tokens=12).sampling_params(4, None)
     assert e.value.field == "num_speculative_tokens"
+
+
+def test_model_info_reports_an_auto_default_as_minus_one() -> None:
+    from types import SimpleNamespace
+
+    from mtpserve.cluster.router import model_info
+
+    auto = SimpleNamespace(resolved=ResolvedConfig.resolve(EngineConfig(device="cpu")), tokenizer=None)
+    assert model_info(auto).default_num_speculative_tokens == -1
+    fixed = SimpleNamespace(resolved=ResolvedConfig.resolve(EngineConfig(device="cpu", num_speculative_tokens=2)),
+                            tokenizer=None)
+    assert model_info(fixed).default_num_speculative_tokens == 2
