@@ -26,12 +26,13 @@ from mtpserve.workers.cuda_graphs import batch_buckets
 class AdaptiveConfig:
     max_k: int  # the largest k any request may run (adaptive requests' cap)
     max_rows: int  # concurrent requests tracked (max_num_seqs)
-    decay: float = 0.3  # weight of one observation in a request's estimate (a topic change shows in ~3 steps)
+    decay: float = 0.2  # weight of one observation in a request's estimate (a topic change shows in ~5 steps)
     prior_decay: float = 0.02  # weight of one step's batch mean in the engine-wide prior
     initial_acceptance: float = 0.6  # the prior before anything was observed
-    cost_decay: float = 0.2  # weight of one timed step in its (bucket, k) average
+    cost_decay: float = 0.1  # weight of one timed step in its (bucket, k) average
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
-    hysteresis: float = 0.03  # another k must beat the current one by this fraction (switches cost a catch-up)
+    hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
+    min_dwell: int = 16  # steps a choice holds before the next may differ (noisy estimates must not flap)
 
 
 def expected_tokens(p: np.ndarray) -> np.ndarray:
@@ -185,6 +186,7 @@ class AdaptiveSpec:
         self.costs = StepCosts(config)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
+        self._held = 0  # steps since k last changed
 
     def admit(self, cap: int, adaptive: bool) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k."""
@@ -196,12 +198,15 @@ class AdaptiveSpec:
     def choose(self, rows: np.ndarray) -> int:
         """The step's k for the requests in `rows` (each adaptive one then runs min(k, its cap))."""
         t = self.acceptance
+        self._held += 1
         if rows.size == 0 or not t.adaptive.take(rows).any():
             return self.k
-        gains = t.gain.take(rows, axis=1).sum(axis=1)
-        base = rows.size + t.fixed_tokens.take(rows).sum()
-        floor = int(t.floor_cap.take(rows).max())
-        self.k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
+        if self._held >= self.config.min_dwell:
+            gains = t.gain.take(rows, axis=1).sum(axis=1)
+            base = rows.size + t.fixed_tokens.take(rows).sum()
+            floor = int(t.floor_cap.take(rows).max())
+            k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
+            self.k, self._held = k, 0 if k != self.k else self._held
         self.chosen[self.k] += 1
         return self.k
 

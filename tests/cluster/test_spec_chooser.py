@@ -14,7 +14,7 @@ K = 4
 def _spec(p: np.ndarray, costs: list[float], caps: list[int] | None = None, fixed: list[bool] | None = None,
           hysteresis: float = 0.0) -> tuple[AdaptiveSpec, np.ndarray]:
     """An AdaptiveSpec whose requests have acceptance p [R, K] and whose batch costs `costs` [K + 1]."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=64, hysteresis=hysteresis))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=64, hysteresis=hysteresis, min_dwell=0))
     caps = caps or [K] * len(p)
     fixed = fixed or [False] * len(p)
     rows = np.array([spec.admit(c, not f) for c, f in zip(caps, fixed)])
@@ -95,8 +95,18 @@ def test_hysteresis_keeps_the_current_k_unless_clearly_beaten() -> None:
     assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.1) == 1  # 4 is far behind
 
 
+def test_a_choice_holds_for_min_dwell_steps() -> None:
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=3))
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.zeros((K, 4)))  # never accepted: 0 wins, once the first choice may change
+    assert [spec.choose(rows) for _ in range(4)] == [K, K, 0, 0]
+    spec.acceptance.set(rows, np.ones((K, 4)))
+    assert [spec.choose(rows) for _ in range(4)] == [0, K, K, K]  # 0 held its three steps
+    assert spec.chosen.tolist() == [3, 0, 0, 0, 5]
+
+
 def test_estimates_decay_toward_what_is_observed() -> None:
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, decay=0.5, initial_acceptance=0.6))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, decay=0.5, initial_acceptance=0.6, min_dwell=0))
     row = np.array([spec.admit(K, True)])
     t = spec.acceptance
     np.testing.assert_allclose(t.p[:, row[0]], 0.6)
