@@ -202,7 +202,8 @@ class LLMEngine:
         seconds = self._step_clock.lap((k, stats.num_prompt_tokens == 0 and not plan.new_requests))
         if self.adaptive is None or not plan.req_ids:
             return
-        stats.spec_k, stats.acceptance_estimate = self.scheduler.step_k, self.adaptive.estimates()
+        stats.acceptance_estimate = self.adaptive.estimates()
+        stats.spec_k = self.scheduler.step_k if self.adaptive.active else None  # None: no "auto" request ran
         if seconds is not None and max(plan.num_drafts, default=0) == k:
             self.adaptive.costs.observe(len(plan.req_ids), k, seconds)
 

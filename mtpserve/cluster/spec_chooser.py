@@ -187,6 +187,7 @@ class AdaptiveSpec:
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
         self._held = 0  # steps since k last changed
+        self.active = False  # whether the last choice had an adaptive request to choose for
 
     def admit(self, cap: int, adaptive: bool) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k."""
@@ -199,7 +200,8 @@ class AdaptiveSpec:
         """The step's k for the requests in `rows` (each adaptive one then runs min(k, its cap))."""
         t = self.acceptance
         self._held += 1
-        if rows.size == 0 or not t.adaptive.take(rows).any():
+        self.active = rows.size > 0 and bool(t.adaptive.take(rows).any())
+        if not self.active:
             return self.k
         if self._held >= self.config.min_dwell:
             gains = t.gain.take(rows, axis=1).sum(axis=1)

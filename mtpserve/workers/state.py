@@ -109,8 +109,12 @@ def apply_plan(requests: dict[str, CachedRequest], slots: SlotBuffers, plan: Ste
         req = requests.pop(req_id, None)
         if req is not None:
             slots.release(req.slot)
+    # This step's drafts per request (adaptive speculation, design §9); a new request is admitted with them,
+    # so that one step never writes a slot's num_spec twice (the order of one scatter's writes is undefined).
+    specs = dict(zip(plan.req_ids, plan.num_spec)) if plan.new_requests and plan.num_spec else {}
     for new in plan.new_requests:
         req = requests[new.request_id] = CachedRequest.from_new(new, slots.acquire(new), num_modules)
+        req.num_spec = specs.get(new.request_id, req.num_spec)
         if diffs is not None:
             record_admission(diffs, req, slots.vocab)
     for req_id, new_blocks in zip(plan.req_ids, plan.new_block_ids):
