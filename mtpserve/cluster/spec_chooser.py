@@ -156,25 +156,40 @@ class StepCosts:
             self._table = self._estimate()
 
     def slope(self) -> float:
-        """Relative extra cost per draft, fitted over the buckets where k = 0 and some k > 0 are known."""
-        ks = np.arange(1, self.seconds.shape[1])
-        rel = (self.seconds[:, 1:] / self.seconds[:, :1] - 1.0) / ks
-        rel = rel[np.isfinite(rel)]
-        return float(np.clip(rel.mean(), 0.0, 10.0)) if rel.size else self.config.per_draft_cost
+        """Relative extra cost per draft (b / a of cost = a + b k), the median over the buckets where two or
+        more k are known; the configured prior before that."""
+        a, b, n = _line_fit(self.seconds)
+        rel = (b / a)[(n >= 2) & (a > 0)]
+        return float(np.clip(np.median(rel), 0.0, 10.0)) if rel.size else self.config.per_draft_cost
 
     def costs(self, batch: int) -> np.ndarray:
         """[K + 1] cost of a step at each k for this batch size (only the ratios matter to choose_k)."""
         return self._table[self.bucket(batch)]
 
     def _estimate(self, seconds: np.ndarray | None = None) -> np.ndarray:
-        """Measured where known; elsewhere 1 + slope * k, scaled to the bucket's measured level."""
+        """Measured where known; elsewhere the bucket's own line through its measured k (two or more), else
+        1 + slope * k scaled to its one measurement (or unscaled: nothing measured)."""
         seconds = self.seconds if seconds is None else seconds
-        model = 1.0 + self._slope * np.arange(seconds.shape[1])
-        known = ~np.isnan(seconds)
-        ratio = np.where(known, seconds / model, 0.0)
-        count = known.sum(axis=1, keepdims=True)
-        scale = np.divide(ratio.sum(axis=1, keepdims=True), count, out=np.ones_like(ratio[:, :1]), where=count > 0)
-        return np.where(known, seconds, model * scale)
+        ks = np.arange(seconds.shape[1])
+        a, b, n = _line_fit(seconds)
+        level = np.nanmax(np.where(np.isnan(seconds), -np.inf, seconds / (1.0 + self._slope * ks)), axis=1)
+        level = np.where(n > 0, level, 1.0)
+        fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
+        return np.where(np.isnan(seconds), fitted, seconds)
+
+
+def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row, least squares cost = a + b k through the known (non-NaN) entries, b >= 0 (a step never gets
+    cheaper with more drafts): (a, b, number of known entries)."""
+    known = ~np.isnan(seconds)
+    ks = np.where(known, np.arange(seconds.shape[1]), 0.0)
+    ys = np.where(known, seconds, 0.0)
+    n = known.sum(axis=1)
+    sx, sy, sxx, sxy = ks.sum(1), ys.sum(1), (ks * ks).sum(1), (ks * ys).sum(1)
+    den = n * sxx - sx * sx
+    b = np.clip(np.divide(n * sxy - sx * sy, den, out=np.zeros(len(n)), where=den > 0), 0.0, None)
+    a = np.divide(sy - b * sx, n, out=np.ones(len(n)), where=n > 0)
+    return a, b, n
 
 
 class AdaptiveSpec:
@@ -208,9 +223,18 @@ class AdaptiveSpec:
             base = rows.size + t.fixed_tokens.take(rows).sum()
             floor = int(t.floor_cap.take(rows).max())
             k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
+            k = self._explore(k, rows.size)
             self.k, self._held = k, 0 if k != self.k else self._held
         self.chosen[self.k] += 1
         return self.k
+
+    def _explore(self, k: int, batch: int) -> int:
+        """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
+        Going down costs nothing and gives the bucket's cost line a second point; a k extrapolated from
+        the prior slope alone could otherwise look worse than it is, forever."""
+        if k == self.k and k > 0 and np.isnan(self.costs.seconds[self.costs.bucket(batch), k - 1]):
+            return k - 1
+        return k
 
     def estimates(self) -> list[float]:
         """The engine-wide acceptance estimate per draft position (for metrics)."""

@@ -151,3 +151,23 @@ def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
     costs.seed(3, 1, 1.0)  # ... a measured cell ignores later seeds ...
     costs.observe(3, 1, 1.0)  # ... and later steps are averaged in
     assert costs.costs(3)[1] == 2.0
+
+
+@pytest.mark.parametrize("p, slope", [(0.5, 0.3), (0.9, 0.05), (0.05, 0.1), (0.8, 0.25), (0.7, 0.5), (0.3, 0.02)])
+def test_settles_near_the_best_k_from_noisy_steps(p: float, slope: float) -> None:
+    """Simulated serving: 16 requests whose drafts are accepted with probability p per position, steps
+    costing 1 + slope * k with 20 % noise, estimates and costs learned from those steps only (no seeds)."""
+    rng = np.random.default_rng(1)
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16))
+    rows = np.array([spec.admit(K, True) for _ in range(16)])
+    ks = []
+    for _ in range(600):
+        k = spec.choose(rows)
+        ks.append(k)
+        accepted = np.argmin(np.concatenate((rng.uniform(size=(16, k)) < p, np.zeros((16, 1), bool)), 1), axis=1)
+        spec.acceptance.observe(rows, np.full(16, k), accepted)
+        spec.costs.observe(16, k, (1.0 + slope * k) * rng.uniform(0.8, 1.2))
+    rate = [(1 + sum(p**j for j in range(1, k + 1))) / (1 + slope * k) for k in range(K + 1)]
+    late = ks[-200:]
+    assert min(rate[k] for k in late) >= 0.95 * max(rate), f"settled on {sorted(set(late))}, rates {rate}"
+    assert sum(a != b for a, b in zip(ks, ks[1:])) <= 12  # switches stay rare
