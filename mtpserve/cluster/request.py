@@ -39,11 +39,11 @@ class Request:
     # Adaptive speculation (docs/design.md §9): num_spec is then the upper bound and each step chooses k.
     adaptive: bool = False
     spec_row: int = -1  # the request's row in the scheduler's AdaptiveSpec while it runs
-    # Where its MTP modules may lag from (a step ran fewer drafts than num_spec): module blocks past it
-    # are not offered to the prefix cache (their entries may not be the teacher-forced ones). Also how far
-    # back a catch-up would rewind: past Scheduler.MAX_CATCH_UP the request stays at live_spec drafts.
+    # Where its MTP modules may first lag from (a step ran fewer drafts than num_spec): module blocks past
+    # it are not offered to the prefix cache (their entries may not be the teacher-forced ones).
     modules_exact_upto: int | None = None
     live_spec: int = -1  # drafts whose modules are all committed to the frontier (-1: all of num_spec)
+    lag_from: int | None = None  # where the modules past live_spec began to lag (a catch-up rewinds about there)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -213,7 +213,7 @@ class Scheduler:
         if not req.adaptive or self.step_k is None:
             return req.num_spec
         k = min(self.step_k, req.num_spec)
-        if 0 <= req.live_spec < k and req.num_computed - req.modules_exact_upto > self.MAX_CATCH_UP:
+        if 0 <= req.live_spec < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP:
             return req.live_spec
         return k
 
@@ -274,7 +274,7 @@ class Scheduler:
             # drafts from it exactly as the step that produced it did, so seeded sampling is undisturbed.
             req.resume_token = req.token_ids.pop()
         req.status, req.num_computed, req.num_drafts = Status.WAITING, 0, 0
-        req.modules_exact_upto, req.live_spec = None, -1  # the recomputing prefill runs every module again
+        req.modules_exact_upto, req.live_spec, req.lag_from = None, -1, None  # the prefill runs every module again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -306,9 +306,14 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]]) -> None:
         spec = self._spec(req)
-        if spec < req.num_spec and req.modules_exact_upto is None:
-            req.modules_exact_upto = req.num_computed  # modules past spec stop here until caught up (§9)
-        req.live_spec = -1 if spec == req.num_spec else spec  # the workers catch modules up when it rises
+        if spec < req.num_spec:  # modules past spec stop here until the workers catch them up (§9)
+            if req.modules_exact_upto is None:
+                req.modules_exact_upto = req.num_computed
+            if req.live_spec < 0:
+                req.lag_from = req.num_computed
+            req.live_spec = spec
+        else:
+            req.live_spec, req.lag_from = -1, None
         plan.req_ids.append(req.request_id)
         plan.num_tokens.append(n)
         plan.num_drafts.append(d)
