@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                    "cost p50", "cost p99"])
     rng = np.random.default_rng(0)
     for n in common.parse_ints(args.requests):
-        spec = AdaptiveSpec(AdaptiveConfig(max_k=args.max_k, max_rows=max(n, 1)))
+        # min_dwell 0: every call makes the full choice (the engine makes it once per 16 steps).
+        spec = AdaptiveSpec(AdaptiveConfig(max_k=args.max_k, max_rows=max(n, 1), min_dwell=0))
         running = [_Req(spec.admit(args.max_k, i % 5 != 0)) for i in range(n)]  # a fifth with a fixed k
         drafts = np.full(n, args.max_k)
         accepted = rng.integers(0, args.max_k + 1, n)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         c = _us(lambda: spec.choose(rows), args.steps)
         g = _us(gather, args.steps)
         o = _us(lambda: spec.acceptance.observe(rows, drafts, accepted), args.steps)
-        k = _us(lambda: spec.costs.observe(n, 2, 0.01), args.steps)
+        k = _us(lambda: spec.costs.observe(n, 2, 0.01), args.steps)  # the estimate itself waits for choose
         table.add(str(n), *c, *g, *o, *k)
     common.report(args, "chooser_overhead", CPU, [table],
                   ["host only (numpy), on whatever else the machine runs meanwhile"])

@@ -63,9 +63,8 @@ def choose_k(gains: np.ndarray, base: float, floor: int, cost: np.ndarray, curre
 class AcceptanceTable:
     """Per-request decayed acceptance per draft position, rows reused as requests come and go.
 
-    Kept transposed ([K, rows]) and folded for the chooser: `gain[j, row]` is prod_{i <= j} p_i where
-    position j + 1 is within an adaptive request's cap (else 0), `fixed_tokens[row]` a fixed request's
-    expected accepted drafts at its own k, so that choosing is a gather and a sum.
+    Kept transposed ([K, rows]), with each row's cap as a 0/1 mask over positions, so that folding a
+    batch for the chooser (`fold`) is a gather, a cumulative product and two sums.
     """
 
     def __init__(self, config: AdaptiveConfig) -> None:
@@ -77,27 +76,32 @@ class AcceptanceTable:
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
         self.adaptive = np.zeros(rows, dtype=bool)
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
-        self.gain = np.zeros((k, rows))
-        self.fixed_tokens = np.zeros(rows)
         self._free = list(range(rows - 1, -1, -1))
 
     def acquire(self, cap: int, adaptive: bool) -> int:
         row = self._free.pop()
         self.within[:, row] = np.arange(self.p.shape[0]) < cap
         self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
-        self.set(np.array([row]), self.prior[:, None])
+        self.p[:, row] = self.prior
         return row
 
     def release(self, row: int) -> None:
         self._free.append(row)
 
     def set(self, rows: np.ndarray, p: np.ndarray) -> None:
-        """Estimates p [K, n] for rows [n], folded for the chooser."""
+        """Estimates p [K, n] for rows [n]."""
         self.p[:, rows] = p
-        weighted = np.cumprod(p, axis=0) * self.within[:, rows]
-        adaptive = self.adaptive[rows]
-        self.gain[:, rows] = weighted * adaptive
-        self.fixed_tokens[rows] = np.where(adaptive, 0.0, weighted.sum(axis=0))
+
+    def fold(self, rows: np.ndarray) -> tuple[np.ndarray, float, int]:
+        """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
+        token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k)."""
+        reach = self.p.take(rows, axis=1)  # [K, n], made prod_{i <= j} p_i in place (K is small)
+        for j in range(1, reach.shape[0]):
+            reach[j] *= reach[j - 1]
+        reach *= self.within.take(rows, axis=1)
+        gains = reach @ self.adaptive.take(rows).astype(np.float64)
+        base = rows.size + float(reach.sum() - gains.sum())
+        return gains, base, int(self.floor_cap.take(rows).max())
 
     def observe(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
         """A step verified drafts[i] drafts of row rows[i] and accepted accepted[i] of them: positions
@@ -105,7 +109,7 @@ class AcceptanceTable:
         seen = self._j < np.minimum(accepted + 1, drafts)  # [K, n]
         hit = self._j < accepted
         cur = self.p[:, rows]
-        self.set(rows, cur + self.config.decay * seen * (hit - cur))
+        self.p[:, rows] = cur + self.config.decay * seen * (hit - cur)
         counts = seen.sum(axis=1)
         means = (hit & seen).sum(axis=1) / np.maximum(counts, 1)
         self.prior += self.config.prior_decay * (counts > 0) * (means - self.prior)
@@ -114,9 +118,9 @@ class AcceptanceTable:
 class StepCosts:
     """Decode-step seconds per (batch bucket, k): averages of timed steps, estimated where not measured.
 
-    The estimated table is kept up to date as measurements land, so that `costs` (every step) is a
-    lookup: the observed bucket's row at once, the whole table (the fitted slope) when a cell is first
-    measured and every `REFIT` samples after.
+    A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
+    when a cell is first measured and every `REFIT` samples after; `costs` estimates what is marked
+    when the chooser asks (once per dwell, not every step).
     """
 
     REFIT = 32
@@ -129,6 +133,8 @@ class StepCosts:
         self._count = 0
         self._slope = config.per_draft_cost
         self._table = self._estimate()
+        self._stale = np.zeros(len(self.buckets), dtype=bool)  # rows of _table to estimate again
+        self._refit = False  # the slope and every row
         self._bucket_of = np.searchsorted(self.buckets, np.arange(config.max_rows + 1))
 
     def bucket(self, batch: int) -> int:
@@ -141,19 +147,15 @@ class StepCosts:
         self.seconds[b, k] = seconds if first else (1.0 - a) * old + a * seconds  # a first step replaces a seed
         self.samples[b, k] += 1
         self._count += 1
-        if first or self._count % self.REFIT == 0:
-            self._slope = self.slope()
-            self._table = self._estimate()
-        else:
-            self._table[b] = self._estimate(self.seconds[b : b + 1])[0]
+        self._refit |= bool(first) or self._count % self.REFIT == 0
+        self._stale[b] = True
 
     def seed(self, batch: int, k: int, seconds: float) -> None:
         """A start-up timing (a captured graph's replay): a first estimate that real steps replace."""
         b = self.bucket(batch)
         if self.samples[b, k] == 0:
             self.seconds[b, k] = seconds
-            self._slope = self.slope()
-            self._table = self._estimate()
+            self._refit = True
 
     def slope(self) -> float:
         """Relative extra cost per draft (b / a of cost = a + b k), the median over the buckets where two or
@@ -164,7 +166,13 @@ class StepCosts:
 
     def costs(self, batch: int) -> np.ndarray:
         """[K + 1] cost of a step at each k for this batch size (only the ratios matter to choose_k)."""
-        return self._table[self.bucket(batch)]
+        b = self.bucket(batch)
+        if self._refit:
+            self._slope, self._table, self._refit = self.slope(), self._estimate(), False
+            self._stale[:] = False
+        elif self._stale[b]:
+            self._table[b], self._stale[b] = self._estimate(self.seconds[b : b + 1])[0], False
+        return self._table[b]
 
     def _estimate(self, seconds: np.ndarray | None = None) -> np.ndarray:
         """Measured where known; elsewhere the bucket's own line through its measured k (two or more), else
@@ -219,9 +227,7 @@ class AdaptiveSpec:
         if not self.active:
             return self.k
         if self._held >= self.config.min_dwell:
-            gains = t.gain.take(rows, axis=1).sum(axis=1)
-            base = rows.size + t.fixed_tokens.take(rows).sum()
-            floor = int(t.floor_cap.take(rows).max())
+            gains, base, floor = t.fold(rows)
             k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
             k = self._explore(k, rows.size)
             self.k, self._held = k, 0 if k != self.k else self._held
