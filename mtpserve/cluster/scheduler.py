@@ -150,7 +150,10 @@ class Scheduler:
                 return None  # not decoding in that step
             if left < 1 or budget < 1:
                 continue
-            d = max(0, min(made_in_flight.get(req.request_id, req.num_spec), self._spec(req), budget - 1, left - 1))
+            made, spec = made_in_flight.get(req.request_id, req.num_spec), self._spec(req)
+            if spec > made:  # k rises: the workers find lagging modules from their host state, which the step
+                return None  # in flight has yet to advance, so the engine drains first
+            d = max(0, min(made, spec, budget - 1, left - 1))
             new_blocks = self.blocks.allocate(req.request_id, self._slots(req, 1 + ahead, d, final=True))
             if new_blocks is None:
                 return None  # the synchronous path may preempt

@@ -225,7 +225,9 @@ class ModelRunner:
             result.logprobs.append(_logprob_dicts(row, a, p.k, r.params.logprobs))
             r.token_ids += tokens
             n = r.num_computed = len(r.token_ids) - 1
-            for m in range(min(r.num_spec, modules)):  # the modules the chain ran for this request
+            # The modules the chain ran for this request; or fewer, when a step launched meanwhile lowered its
+            # num_spec (design §9): a module counted short is only caught up from a little further back.
+            for m in range(min(r.num_spec, modules)):
                 r.mtp_computed[m] = max(0, n - m)
         result.target_seconds = time.perf_counter() - p.started  # one graph: no phase split
         return result

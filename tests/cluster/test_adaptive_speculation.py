@@ -94,11 +94,13 @@ def test_a_long_lag_is_not_caught_up(partly_trained: Path, monkeypatch: pytest.M
     assert all(len(o.accepted_per_step) <= 2 for o in outs)  # drafts verified only after the first two steps
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("schedule", [[3, 3, 0, 0, 0, 0, 1, 4, 4], [0, 0, 0, 0, 3, 3], [4, 2, 0, 4, 1, 0, 3]])
 def test_mtp_kv_stays_teacher_forced_after_k_falls_and_rises(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              schedule: list[int]) -> None:
+                                                              schedule: list[int], overlap: bool) -> None:
+    """Also with async scheduling, where k may change in a step planned while the one before still runs."""
     force_k(monkeypatch, schedule)
-    llm = LLM(str(partly_trained), block_size=4)
+    llm = LLM(str(partly_trained), block_size=4, async_scheduling=overlap)
     runner = llm.engine.executor.runner
     checked = 0
     with torch.inference_mode():
@@ -108,6 +110,7 @@ def test_mtp_kv_stays_teacher_forced_after_k_falls_and_rises(partly_trained: Pat
             checked += _assert_pools_match(llm, req, _teacher_forced_keys(llm, prompt + out.token_ids), 4)
     assert checked > 100
     assert runner.num_catch_ups > 0
+    assert not overlap or llm.engine.num_overlapped_steps > 0
 
 
 @pytest.mark.parametrize("schedule", [
