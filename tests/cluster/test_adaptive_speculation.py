@@ -63,17 +63,20 @@ def test_greedy_auto_identical_to_no_speculation_and_to_fixed_k(partly_trained: 
     assert 0 < sum(accepted), "drafts must be accepted for the test to bite"
 
 
-def test_mixed_batch_of_auto_fixed_and_off_requests(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_mixed_batch_of_auto_fixed_and_off_requests(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    overlap: bool) -> None:
     """A fixed k and k = 0 stay what the request asked for, beside adaptive requests."""
     prompts = prompts_of(64, LENGTHS[:9], seed=5)
     expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, GREEDY)]
     force_k(monkeypatch, [0, 0, 4, 1, 1, 3])
-    llm = LLM(str(partly_trained), block_size=4)
+    llm = LLM(str(partly_trained), block_size=4, async_scheduling=overlap)
     specs = ["auto", 2, 0]
     params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, num_speculative_tokens=specs[i % 3])
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
+    assert not overlap or llm.engine.num_overlapped_steps > 0
     for i, o in enumerate(outs):
         if specs[i % 3] == 0:
             assert o.accepted_per_step == []
