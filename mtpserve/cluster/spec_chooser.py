@@ -209,7 +209,7 @@ class AdaptiveSpec:
         self.costs = StepCosts(config)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
-        self._held = 0  # steps since k last changed
+        self._held = config.min_dwell  # steps since k last changed (the first call decides)
         self.active = False  # whether the last choice had an adaptive request to choose for
 
     def admit(self, cap: int, adaptive: bool) -> int:

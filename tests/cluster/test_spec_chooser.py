@@ -98,11 +98,11 @@ def test_hysteresis_keeps_the_current_k_unless_clearly_beaten() -> None:
 def test_a_choice_holds_for_min_dwell_steps() -> None:
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=3))
     rows = np.array([spec.admit(K, True) for _ in range(4)])
-    spec.acceptance.set(rows, np.zeros((K, 4)))  # never accepted: 0 wins, once the first choice may change
-    assert [spec.choose(rows) for _ in range(4)] == [K, K, 0, 0]
-    spec.acceptance.set(rows, np.ones((K, 4)))
-    assert [spec.choose(rows) for _ in range(4)] == [0, K, K, K]  # 0 held its three steps
-    assert spec.chosen.tolist() == [3, 0, 0, 0, 5]
+    spec.acceptance.set(rows, np.zeros((K, 4)))  # never accepted: the first choice is 0 ...
+    assert spec.choose(rows) == 0
+    spec.acceptance.set(rows, np.ones((K, 4)))  # ... and it holds three steps before K may win
+    assert [spec.choose(rows) for _ in range(4)] == [0, 0, K, K]
+    assert spec.chosen.tolist() == [3, 0, 0, 0, 2]
 
 
 def test_estimates_decay_toward_what_is_observed() -> None:
@@ -167,7 +167,10 @@ def test_settles_near_the_best_k_from_noisy_steps(p: float, slope: float) -> Non
         accepted = np.argmin(np.concatenate((rng.uniform(size=(16, k)) < p, np.zeros((16, 1), bool)), 1), axis=1)
         spec.acceptance.observe(rows, np.full(16, k), accepted)
         spec.costs.observe(16, k, (1.0 + slope * k) * rng.uniform(0.8, 1.2))
-    rate = [(1 + sum(p**j for j in range(1, k + 1))) / (1 + slope * k) for k in range(K + 1)]
-    late = ks[-200:]
-    assert min(rate[k] for k in late) >= 0.95 * max(rate), f"settled on {sorted(set(late))}, rates {rate}"
+    tokens = [1 + sum(p**j for j in range(1, k + 1)) for k in range(K + 1)]
+    cost = [1 + slope * k for k in range(K + 1)]
+    best = max(t / c for t, c in zip(tokens, cost))
+    after_warm_up = ks[100:]  # expected tokens per expected second, as a serving engine would see them
+    rate = sum(tokens[k] for k in after_warm_up) / sum(cost[k] for k in after_warm_up)
+    assert rate >= 0.97 * best, f"{rate:.3f} against the best {best:.3f}, choices {sorted(set(after_warm_up))}"
     assert sum(a != b for a, b in zip(ks, ks[1:])) <= 12  # switches stay rare
