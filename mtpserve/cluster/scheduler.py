@@ -231,6 +231,11 @@ class Scheduler:
         n = min(remaining, budget)
         if n < remaining:
             return n, 0
+        if 0 <= req.live_spec < self._spec(req):
+            # k rises past modules that lagged: the workers rewind this request (design §9). Without drafts to
+            # verify, the recomputation is an aligned prompt chunk, which runs as a graphed prefill step (§8)
+            # instead of a general-path pass; the drafts dropped are those of one step, once per rise.
+            return n, 0
         # Drafts past what the request may still emit would only be thrown away.
         return n, max(0, min(req.num_drafts, self._spec(req), budget - n, req.tokens_left - 1))
 

@@ -130,3 +130,20 @@ def test_sampled_auto_keeps_the_target_distribution(small_vocab_ckpt: Path, monk
     np.add.at(counts, ([o.token_ids[0] for o in outs], [o.token_ids[1] for o in outs]), 1)
     assert llm.engine.spec.num_accepted_tokens > 0
     assert chi_square_pvalue(counts, _exact_joint(small_vocab_ckpt, s)) > ALPHA
+
+
+def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rise of k past lagging modules plans no drafts for the request, so the workers' rewind is an aligned
+    prompt chunk that the prefill step runs (docs/design.md §8), not a general-path pass."""
+    force_k(monkeypatch, [1, 1, 1, 4, 4, 4])
+    llm = LLM(str(partly_trained), block_size=4, max_num_seqs=8)
+    runner = llm.engine.executor.runner
+    general, inner = [], runner._run_general
+    runner._run_general = lambda reqs, plan: general.append(len(reqs)) or inner(reqs, plan)
+    prefills = runner.prefill.runs
+    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0, block_size=4)
+                .generate(prompts_of(64, [9, 14, 5], seed=8), GREEDY)]
+    assert [o.token_ids for o in llm.generate(prompts_of(64, [9, 14, 5], seed=8), GREEDY)] == expected
+    assert runner.num_catch_ups >= 3 and runner.prefill.runs - prefills > runner.num_catch_ups // 3
+    assert not general, "every catch-up was an aligned chunk without drafts"
