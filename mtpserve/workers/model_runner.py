@@ -207,7 +207,11 @@ class ModelRunner:
     def _launch_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> "PendingStep":
         t0 = time.perf_counter()
         chain = max(r.num_spec for r in reqs) if self.config.num_mtp_modules else 0
-        shape = StepShape(1 + max(plan.num_drafts), chain, sampling_flags([r.params for r in reqs], self.vocab))
+        # The window is padded to the chain (rows past a request's own drafts are masked): a step that verifies
+        # fewer drafts than it makes (k just rose, or max_tokens is near) then reuses the graph captured at
+        # start for its k instead of capturing one of its own in the middle of serving.
+        window = 1 + max(max(plan.num_drafts), chain)
+        shape = StepShape(window, chain, sampling_flags([r.params for r in reqs], self.vocab))
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         packed, raw = self.uniform.run(slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
         host, done = self._stage(reqs, packed, raw)
