@@ -156,7 +156,6 @@ class ResolvedConfig:
                             capture_at_start=self._captured_at_start() if c.capture_graphs_at_start else (),
                             prefill_step_rows=c.prefill_step_rows)
 
-
     def _captured_at_start(self) -> tuple[int, ...]:
         """k = 0 and the default k; with adaptive speculation by default every k it may choose (so the first
         steps at each k do not wait on a capture, and the cost model sees each k's real step)."""
