@@ -46,12 +46,18 @@ T = TypeVar("T")
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, ... (x1.5, x4/3) below max_num_seqs, then max_num_seqs."""
-    sizes, b = [1, 2, 4, 8], 16
-    while sizes[-1] < max_num_seqs:
+    """1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, ... below max_num_seqs, then max_num_seqs."""
+    return growing_buckets((1, 2, 4, 8), max_num_seqs)
+
+
+def growing_buckets(small: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """`small` (powers of two), then 2x its last, 3x, 4x, 6x, 8x, ... (steps of x1.5 and x4/3: padding wastes
+    at most a third) below `limit`, then `limit` itself."""
+    sizes, b = list(small), 2 * small[-1]
+    while sizes[-1] < limit:
         sizes += [b, b * 3 // 2]
         b *= 2
-    return tuple(s for s in sizes if s < max_num_seqs) + (max_num_seqs,)
+    return tuple(s for s in sizes if s < limit) + (limit,)
 
 
 def capture_graph(fn: Callable[[], T], pool: tuple[int, int] | None, device: torch.device

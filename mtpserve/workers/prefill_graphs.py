@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from mtpserve.boundary.messages import StepPlan, StepResult
-from mtpserve.workers.cuda_graphs import capture_graph
+from mtpserve.workers.cuda_graphs import capture_graph, growing_buckets
 from mtpserve.workers.prefill_step import PrefillInputs, PrefillShape, PrefillStep, tail_columns
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs, sampling_flags
 from mtpserve.workers.state import CachedRequest
@@ -28,12 +28,8 @@ MIN_ROWS = 16
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
-    """16, 32, 64, 128, 192, 256, 384, 512, 768, ... (x1.5, x4/3) below max_rows, then max_rows."""
-    sizes, b = [MIN_ROWS, 2 * MIN_ROWS, 4 * MIN_ROWS], 8 * MIN_ROWS
-    while sizes[-1] < max_rows:
-        sizes += [b, b * 3 // 2]
-        b *= 2
-    return tuple(s for s in sizes if s < max_rows) + (max_rows,)
+    """16, 32, 64, then 128, 192, 256, 384, 512, 768, ... below max_rows, then max_rows."""
+    return growing_buckets((MIN_ROWS, 2 * MIN_ROWS, 4 * MIN_ROWS), max_rows)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from mtpserve.workers.prefill_step import PrefillShape
 from mtpserve.workers.slot_state import SamplingFlags
 from mtpserve.workers.state import CachedRequest
 from tests.conftest import prompts_of
-from tests.workers.test_uniform_step import SETTINGS, _params, _same, sync_errors
+from tests.workers.test_uniform_step import SETTINGS, _params, _same, cuda, sync_errors
 
 LENGTHS = [4, 9, 5, 14, 7, 11, 6, 20, 33, 2]
 KS = [0, 1, 2, 3, 4, 3, 1, 4, 3, 2]  # per request: off, inside the module count, and recursing past it
@@ -111,9 +111,6 @@ def test_prefill_steps_can_be_turned_off(partly_trained: Path) -> None:
     assert LLM(str(partly_trained), prefill_step_rows=0).engine.executor.runner.prefill is None
     with pytest.raises(ValueError, match="prefill_step_rows"):
         LLM(str(partly_trained), prefill_step_rows=-1)
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
 @cuda
