@@ -74,6 +74,30 @@ def apply_penalties(
     return logits - st.frequency[:, None] * output_counts - st.presence[:, None] * (output_counts > 0)
 
 
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] float32 >= 0, top_p [B] -> t [B, 1]: top-p keeps the tokens with probability >= t.
+
+    t is the largest probability in the row whose tokens at or above it hold mass >= top_p: the sorted
+    prefix that reaches top_p, plus every token tied with the one crossing the line (as FlashInfer's and
+    vLLM's threshold versions keep them). A row whose total falls short of top_p (rounding), or whose
+    top_p is outside (0, 1) (filter off, or a padding row's 0), gets t = 0 and keeps everything.
+
+    Why bisection over the bits: the int32 pattern of a non-negative float32 orders as its value, so 31
+    rounds of (compare + masked row sum) decide t's bits from the top, exactly, with fixed shapes and no
+    host read (CUDA-graph safe), and no sort. A byte-wise radix select would take 4 passes, but each
+    builds per-row 256-bin mass histograms (scatter_add: atomics-heavy on a GPU) and more code.
+    """
+    bits = probs.view(torch.int32)  # [B, V]
+    on = (top_p > 0.0) & (top_p < 1.0)
+    need = torch.where(on, top_p.float(), float("inf"))[:, None]  # [B, 1]; inf: never reached
+    t = torch.zeros_like(bits[:, :1])  # [B, 1] bits; stays 0 where no candidate reaches `need`
+    for bit in range(30, -1, -1):  # bit 31 is the sign, 0 here
+        cand = t | (1 << bit)
+        mass = torch.where(bits >= cand, probs, 0.0).sum(-1, keepdim=True)  # [B, 1]
+        t = torch.where(mass >= need, cand, t)
+    return t.view(torch.float32)
+
+
 def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Penalised logits [B, V] -> the request's sampling distribution [B, V] (temperature, top-k, top-p, min-p)."""
     logits = logits / st.temperature[:, None]
@@ -84,10 +108,8 @@ def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     if st.use_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the line stays in).
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= st.top_p[:, None]
-        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+        probs32 = probs.float()  # the search needs float32 bits; the cast is exact, and free when already float32
+        probs = probs.masked_fill(probs32 < _top_p_threshold(probs32, st.top_p), 0.0)
     if st.use_min_p:
         probs = probs.masked_fill(probs < st.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
     return probs / probs.sum(-1, keepdim=True)
