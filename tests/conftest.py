@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,18 @@ def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prompts_of(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Name the threads still running when the tests are done: each one outlives its test's teardown
+    and runs into the interpreter's finalisation, where a thread inside torch, gRPC or Ray can crash
+    the process after every test passed."""
+    left = sorted(f"{t.name} (daemon={t.daemon})" for t in threading.enumerate()
+                  if t is not threading.main_thread() and t.is_alive())
+    print(f"\nthreads alive after the tests: {left}", file=sys.stderr)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # pytest's own faulthandler is off again by now: keep one on, so that a crash while the process
+    # shuts down prints every thread's stack instead of a bare exit code 139.
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)

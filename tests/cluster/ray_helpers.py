@@ -7,6 +7,7 @@ the single-process engine with the same settings.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import ray
@@ -59,3 +60,27 @@ def start_local_ray(num_cpus: int = 4) -> None:
             ray.shutdown()
             if attempt:
                 raise
+
+
+def stop_serve_router_loop(timeout_s: float = 10.0) -> None:
+    """Stop the event loop that Ray Serve's first handle call starts in a daemon thread of this process.
+
+    serve.shutdown() leaves it running, with a task that records Ray metrics every few seconds: after
+    ray.shutdown() those calls reach a core worker that is gone, and if the thread is still running
+    when the interpreter finalises it may crash the pytest process after every test passed (a likely
+    cause of the exit code 139 CI saw once). Ray has no public call for this, hence the internal class.
+    """
+    from ray.serve._private.router import SingletonThreadRouter
+
+    loop, monitor = SingletonThreadRouter._asyncio_loop, SingletonThreadRouter._event_loop_monitor
+    if loop is None:
+        return
+    if monitor is not None:
+        loop.call_soon_threadsafe(monitor.stop)
+    loop.call_soon_threadsafe(loop.stop)
+    for thread in threading.enumerate():
+        if thread.name.endswith("(_run_router_event_loop)"):
+            thread.join(timeout_s)
+            assert not thread.is_alive(), "Ray Serve's router loop did not stop"
+    loop.close()
+    SingletonThreadRouter._asyncio_loop = SingletonThreadRouter._event_loop_monitor = None

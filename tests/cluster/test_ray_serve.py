@@ -19,7 +19,7 @@ import yaml
 from mtpserve.cluster.client import Client
 from mtpserve.cluster.serve import ray_serve_deployment
 from tests.checkpoints import write_tokenizer
-from tests.cluster.ray_helpers import start_local_ray
+from tests.cluster.ray_helpers import start_local_ray, stop_serve_router_loop
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 90.0  # replicas load a tiny model: seconds each, even on a busy 2-core machine
@@ -43,6 +43,7 @@ def serve_app(trained_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield serve.run(deployment.bind(config=str(config)), name="mtpserve", route_prefix=None)
     finally:
         serve.shutdown()
+        stop_serve_router_loop()
         ray.shutdown()
 
 
