@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.kernels import cpu_linear
+
 MODES = ("off", "on", "auto")
 ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise stays with cuBLAS
@@ -97,7 +99,10 @@ def load_table(path: Path) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through skinny_gemm where the mode and the measurements say so."""
+    """F.linear(x, weight, bias), through skinny_gemm where the mode and the measurements say so (on the CPU,
+    through a weight packed once for oneDNN: mtpserve/kernels/cpu_linear.py)."""
+    if cpu_linear.eligible(x, weight):
+        return cpu_linear.linear(x, weight, bias)
     if _mode == "off" or not x.is_cuda or x.dtype not in ELIGIBLE_DTYPES or weight.dtype != x.dtype:
         return F.linear(x, weight, bias)
     from mtpserve.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_gemm
