@@ -212,8 +212,12 @@ class Scheduler:
     def _spec(self, req: Request) -> int:
         """Drafts the request's chain makes this step: for an adaptive request the step's k (at most its
         cap), prompt chunks included, so that a batch at k = 0 prefills as cheaply as without speculation;
-        the modules a step leaves out lag, and the workers catch them up when k rises (design §9)."""
+        the modules a step leaves out lag, and the workers catch them up when k rises (design §9). Except
+        while more than MAX_CATCH_UP tokens are still to compute and no module lags: a lag that long
+        would never be caught up, so a long prompt runs its whole chain rather than never speculating."""
         if not req.adaptive or self.step_k is None:
+            return req.num_spec
+        if req.live_spec < 0 and len(req.token_ids) - req.num_computed > self.MAX_CATCH_UP:
             return req.num_spec
         k = min(self.step_k, req.num_spec)
         if 0 <= req.live_spec < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP:

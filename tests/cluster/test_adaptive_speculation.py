@@ -97,6 +97,19 @@ def test_a_long_lag_is_not_caught_up(partly_trained: Path, monkeypatch: pytest.M
     assert all(len(o.accepted_per_step) <= 2 for o in outs)  # drafts verified only after the first two steps
 
 
+def test_a_long_prompt_prefilled_at_k0_still_speculates(trained_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt longer than MAX_CATCH_UP runs every module while more than that is left to prefill, whatever
+    the step's k: otherwise its modules would lag from position 0 for good and it would never speculate."""
+    prompts = prompts_of(64, [20, 29, 37], seed=9)
+    expected = [o.token_ids for o in LLM(str(trained_ckpt), num_speculative_tokens=0).generate(prompts, GREEDY)]
+    monkeypatch.setattr(Scheduler, "MAX_CATCH_UP", 8)
+    force_k(monkeypatch, [0] * 5 + [3] * 40)
+    llm = LLM(str(trained_ckpt), block_size=4, max_num_batched_tokens=16)  # chunked: k=0 steps prefill them
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert all(sum(o.accepted_per_step) > 0 for o in outs)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("schedule", [[3, 3, 0, 0, 0, 0, 1, 4, 4], [0, 0, 0, 0, 3, 3], [4, 2, 0, 4, 1, 0, 3]])
 def test_mtp_kv_stays_teacher_forced_after_k_falls_and_rises(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
