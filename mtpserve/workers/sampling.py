@@ -74,22 +74,40 @@ def apply_penalties(
     return logits - st.frequency[:, None] * output_counts - st.presence[:, None] * (output_counts > 0)
 
 
+# Below this vocabulary a sort is cheaper than 31 full-row passes (on the 2-core CPU at 8192 tokens, batch
+# 1: 0.62 vs 1.27 ms; at 151936: 14.9 vs 7.0 ms, benchmarks/RESULTS.md). Both give the same threshold.
+BISECT_MIN_VOCAB = 32768
+
+
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs [B, V] float32 >= 0, top_p [B] -> t [B, 1]: top-p keeps the tokens with probability >= t.
 
     t is the largest probability in the row whose tokens at or above it hold mass >= top_p: the sorted
     prefix that reaches top_p, plus every token tied with the one crossing the line (as FlashInfer's and
     vLLM's threshold versions keep them). A row whose total falls short of top_p (rounding), or whose
-    top_p is outside (0, 1) (filter off, or a padding row's 0), gets t = 0 and keeps everything.
+    top_p is outside (0, 1) (filter off, or a padding row's 0), keeps everything.
+    """
+    on = (top_p > 0.0) & (top_p < 1.0)
+    need = torch.where(on, top_p.float(), float("inf"))[:, None]  # [B, 1]; inf: never reached
+    if probs.shape[-1] < BISECT_MIN_VOCAB:
+        return _threshold_by_sort(probs, need)
+    return _threshold_by_bisection(probs, need)
 
-    Why bisection over the bits: the int32 pattern of a non-negative float32 orders as its value, so 31
+
+def _threshold_by_sort(probs: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """The crossing token's probability: the last sorted entry whose predecessors hold less than `need`."""
+    ranked = probs.sort(dim=-1, descending=True).values  # [B, V]
+    last = (ranked.cumsum(-1) - ranked < need).sum(-1, keepdim=True) - 1  # [B, 1]; >= 0 since need > 0
+    return ranked.gather(1, last)
+
+
+def _threshold_by_bisection(probs: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """Why bisection over the bits: the int32 pattern of a non-negative float32 orders as its value, so 31
     rounds of (compare + masked row sum) decide t's bits from the top, exactly, with fixed shapes and no
     host read (CUDA-graph safe), and no sort. A byte-wise radix select would take 4 passes, but each
     builds per-row 256-bin mass histograms (scatter_add: atomics-heavy on a GPU) and more code.
     """
     bits = probs.view(torch.int32)  # [B, V]
-    on = (top_p > 0.0) & (top_p < 1.0)
-    need = torch.where(on, top_p.float(), float("inf"))[:, None]  # [B, 1]; inf: never reached
     t = torch.zeros_like(bits[:, :1])  # [B, 1] bits; stays 0 where no candidate reaches `need`
     for bit in range(30, -1, -1):  # bit 31 is the sign, 0 here
         cand = t | (1 << bit)

@@ -1,4 +1,5 @@
-"""Top-p by a probability threshold (sampling._top_p_threshold) against the sort it replaced.
+"""Top-p by a probability threshold (sampling._top_p_threshold, by sort or by bisection) against the sort
+of the prefix it replaced.
 
 The sort oracle below is the code to_probs used before: keep the smallest sorted prefix whose mass
 reaches top_p. The threshold keeps every token >= the crossing token's probability, so the two agree
@@ -12,7 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtpserve.workers import sampling
 from mtpserve.workers.sampling import SamplingTensors, _top_p_threshold, to_probs
+
+
+@pytest.fixture(autouse=True, params=["sort", "bisection"])
+def threshold_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with both ways to the threshold, whatever the vocabulary (they must agree)."""
+    monkeypatch.setattr(sampling, "BISECT_MIN_VOCAB", 1 << 62 if request.param == "sort" else 0)
+    return request.param
 
 
 def _settings(top_p: torch.Tensor, temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
@@ -167,8 +176,7 @@ def test_rows_that_keep_everything() -> None:
     # [1]: the row's mass (0.5) falls short of top_p; [2]: a padding row's top_p of 0.
     probs = torch.tensor([[0.5, 0.5, 1e-9], [0.2, 0.2, 0.1], [0.7, 0.2, 0.1]])
     t = _top_p_threshold(probs, torch.tensor([1.0, 0.9, 0.0]))
-    assert torch.equal(t, torch.zeros(3, 1))
-    assert (probs >= t).all()
+    assert (probs >= t).all()  # t is 0 by bisection, the row's least probability by sort
     assert not _sort_drop(probs[1:2], torch.tensor([0.9])).any()  # the sort kept the short row whole too
 
 
