@@ -2,7 +2,7 @@
 on every call of more than one row.
 
 Why: a verify window of k + 1 rows is what speculation adds to a step, and on the CPU MKL made it
-cost 2-3x a one-row product even though the weight is read the same once (it copies the weight into
+cost 2.5-5x a one-row product even though the weight is read the same once (it copies the weight into
 its blocked layout per call). oneDNN's matmul reads a weight reordered once into that layout.
 Measured on the 2-core CI machine, fp32, in microseconds, F.linear vs this (benchmarks/RESULTS.md):
 the default model's LM head [8192, 256] 307 vs 117 at 1 row, 1473 vs 343 at 4 rows; its gate/up
@@ -47,7 +47,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A float32 inference product on the CPU with a weight large enough to gain, oneDNN there and the mode on."""
     return (_mode == "onednn" and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.numel() >= MIN_PACKED_NUMEL
+            and weight.is_contiguous() and weight.numel() >= MIN_PACKED_NUMEL
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)) and _AVAILABLE)
 
 

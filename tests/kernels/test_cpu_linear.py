@@ -63,6 +63,7 @@ def test_which_products_take_it() -> None:
     assert not cpu_linear.eligible(x, small)  # below MIN_PACKED_NUMEL: F.linear is faster
     assert not cpu_linear.eligible(x.double(), big.double())
     assert not cpu_linear.eligible(x.bfloat16(), big.bfloat16())
+    assert not cpu_linear.eligible(x, torch.randn(256, 1024).t())  # a transposed view: F.linear handles strides
     trained = torch.nn.Parameter(big.clone())
     assert not cpu_linear.eligible(x, trained)  # autograd records it: F.linear
     with torch.no_grad():
