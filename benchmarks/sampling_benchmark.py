@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Top-p filtering (issue 10): the full-vocabulary sort that to_probs used before (the reference,
-copied inline here) against to_probs' threshold search (sampling._top_p_threshold), in one run.
+copied inline here) against to_probs' threshold (sampling._top_p_threshold: a bisection at vocabularies
+of sampling.BISECT_MIN_VOCAB and more, a sort below), in one run.
 
     python benchmarks/sampling_benchmark.py [--device cpu|cuda] [--batch 1,8,32,128] [--vocab 151936] [--iters 20]
 
