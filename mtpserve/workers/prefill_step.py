@@ -35,7 +35,7 @@ from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.sampling import SamplingTensors
-from mtpserve.workers.slot_state import DeviceState, SamplingFlags, group_metadata
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
 from mtpserve.workers.uniform_chain import DraftSampler, UniformChain
 from mtpserve.workers.uniform_step import UniformStep
@@ -139,12 +139,11 @@ class PrefillStep:
                target_rows: torch.Tensor, shape: PrefillShape, samp: SamplingTensors) -> None:
         """Every module pass over the chunks' rows, then the drafts of the final chunks (§3)."""
         chain: UniformChain = self.uniform.chain
-        batch, k, dev = len(x.slots), shape.chain, x.slots.device
+        k = shape.chain
         tail = x.tail.clone()  # the sampled token and the drafts of final chunks go here
         tail[:, 0] = torch.where(final, token, tail[:, 0])
-        drafts = torch.zeros(batch, k, dtype=torch.long, device=dev)
-        q_ids = torch.zeros(batch, k, chain.top_m, dtype=torch.long, device=dev)
-        q_probs = torch.zeros(batch, k, chain.top_m, dtype=torch.float32, device=dev)
+        drafts, proposals = [], []
+        old_carry = self.buffers.carry[x.slots]
         sampler = DraftSampler(chain, x.slots, x.verified + 1, samp, shape.flags)
         num_spec = self.state.num_spec[x.slots]
         carry, prev, last = [], target_rows, None
@@ -161,13 +160,15 @@ class PrefillStep:
                 at = rows.first[:-1] + torch.minimum((commit - 1 - x.starts).clamp(min=0), (x.lens - 1).clamp(min=0))
                 carry.append((m, prev[at.clamp(max=len(prev) - 1)], used & (commit > x.starts)))
             else:  # recursive: one row at p + offset from the previous chain step
-                p = (x.verified - 1 + step.offset)[:, None]
-                meta = group_metadata(self.state, 1 + m, x.slots, p, (used & final)[:, None])
-                g = self.mtp(m, drafts[:, j - 1], last, p.reshape(-1), meta, self.kv.mtp[m], self.target.embed_tokens)
+                meta, p = window_rows(self.state, 1 + m, x.slots, x.verified - 1 + step.offset, 1,
+                                      (used & final).long())
+                g = self.mtp(m, drafts[j - 1], last, p, meta, self.kv.mtp[m], self.target.embed_tokens)
                 last = self.mtp.next_hidden(m, g)
-            drafts[:, j], q_ids[:, j], q_probs[:, j] = sampler(j, self.mtp.logits(m, g, self.target.lm_head))
-            tail[:, 1 + j] = torch.where(final, drafts[:, j], tail[:, 1 + j])
-        chain.store(x.slots, drafts, q_ids, q_probs, carry, shape.flags.all_greedy)
+            token, ids, probs = sampler(j, self.mtp.logits(m, g, self.target.lm_head))
+            drafts.append(token)
+            proposals.append((ids, probs))
+            tail[:, 1 + j] = torch.where(final, token, tail[:, 1 + j])
+        chain.store(x.slots, torch.stack(drafts, 1), proposals, carry, old_carry)
 
     @staticmethod
     def _module_tokens(x: PrefillInputs, rows: _Rows, tail: torch.Tensor, m: int) -> torch.Tensor:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mtpserve.kernels import use_fused
+from mtpserve.kernels.window_metadata_ref import window_metadata_ref
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.workers.attention import AttentionMetadata
 from mtpserve.workers.device import to_device
@@ -89,24 +91,23 @@ class DeviceState:
             self.floats.view(-1)[f_idx] = f_val.view(torch.float64).float()
 
 
-def group_metadata(state: DeviceState, group: int, slots: torch.Tensor, pos: torch.Tensor,
-                   write: torch.Tensor) -> AttentionMetadata:
-    """Attention metadata of one KV group for rows at positions pos [B, q] (contiguous per request).
+def window_rows(state: DeviceState, group: int, slots: torch.Tensor, first_pos: torch.Tensor, q: int,
+                limit: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Attention metadata of one KV group for q rows per request at positions first_pos [B] + 0 .. q - 1,
+    and those positions [B * q].
 
-    A row writes its KV only where `write` [B, q] holds and its position lies inside the blocks the
-    request owns in that group; every other row gets slot -1, which the store skips.
+    Row j writes its KV only where j < limit [B] and its position lies inside the blocks the request owns
+    in that group; every other row gets slot -1, which the store skips. On CUDA one kernel builds it all
+    (a uniform step does this for the target and for every module pass).
     """
-    batch, q = pos.shape
-    bs = state.block_size
-    tables = state.tables[group, slots]  # [B, MB]
-    blocks = tables.gather(1, (pos // bs).clamp(max=state.max_blocks - 1)).long()
-    owned = write & (pos < state.capacity[group, slots][:, None])
-    slot_mapping = torch.where(owned, blocks * bs + pos % bs, -1).reshape(-1)
-    seq_lens = (pos[:, -1] + 1).to(torch.int32)
-    qsl = torch.arange(0, (batch + 1) * q, q, dtype=torch.int32, device=pos.device)
+    build = window_metadata_ref
+    if use_fused(slots):  # imported here: triton is imported only where a kernel runs (tests/kernels/conftest.py)
+        from mtpserve.kernels.window_metadata import window_metadata as build
+    pos, slot_mapping, seq_lens, qsl = build(state.tables[group], state.capacity[group], slots, first_pos, limit, q,
+                                             state.block_size)
     # max_seq_len only sizes the CPU reference's gather; the Triton kernel reads seq_lens on the device.
-    max_seq_len = int(seq_lens.max()) if not pos.is_cuda else state.max_blocks * bs
-    return AttentionMetadata(qsl, seq_lens, tables, slot_mapping, q, max_seq_len)
+    max_seq_len = int(seq_lens.max()) if not slots.is_cuda else state.max_blocks * state.block_size
+    return AttentionMetadata(qsl, seq_lens, state.tables[group, slots], slot_mapping, q, max_seq_len), pos
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.models.mtp import MTPStack
 from mtpserve.workers.sampling import STREAM_DRAFT, SamplingTensors, apply_penalties, sample, to_probs, top_m, uniforms
-from mtpserve.workers.slot_state import DeviceState, SamplingFlags, group_metadata
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
 
 
@@ -38,55 +38,60 @@ class UniformChain:
 
     def __call__(self, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor,
                  target_rows: torch.Tensor, shape, samp: SamplingTensors) -> None:
-        """emitted [B, w] (valid up to index a), target_rows [B, w, H]: hidden for module 0."""
+        """emitted [B, w] (valid up to index a), target_rows [B, w, H]: hidden for module 0.
+
+        Kernels are counted here: on small models a module pass is mostly launches, so the glue between
+        passes is built once per step (positions and KV slots in one kernel per pass, the token rows
+        written in place as drafts come, the carries read and written once)."""
         batch, w, k = len(slots), shape.window, shape.chain
-        dev, rows = slots.device, torch.arange(len(slots), device=slots.device)
-        drafts = torch.zeros(batch, k, dtype=torch.long, device=dev)
-        q_ids = torch.zeros(batch, k, self.top_m, dtype=torch.long, device=dev)
-        q_probs = torch.zeros(batch, k, self.top_m, dtype=torch.float32, device=dev)
+        steps = chain_steps(k, self.num_modules, self.mode)
         sampler = DraftSampler(self, slots, seq_len + accepted + 1, samp, shape.flags)
         num_spec = self.state.num_spec[slots]
-        carry, prev, last = [], target_rows, None
-        for j, step in enumerate(chain_steps(k, self.num_modules, self.mode)):
-            m = step.module
+        seq = torch.cat((emitted, emitted.new_zeros(batch, k)), dim=1)  # [B, w + k]: row j holds t_{N+j}
+        draft_at = accepted[:, None] + 1 + torch.arange(k, device=slots.device)  # [B, k]: draft j's row in seq
+        old_carry = self.buffers.carry[slots]  # [B, modules, H]
+        rows = torch.arange(batch, device=slots.device)
+        drafts, proposals, carry, prev, last = [], [], [], target_rows, None
+        for j, step in enumerate(steps):
+            m, used = step.module, num_spec > j
             if step.offset == 0:
                 q = w + m
-                pos = (seq_len - m - 1)[:, None] + torch.arange(q, device=dev)  # [B, q]
-                ids = self._module_tokens(emitted, accepted, drafts, q)
-                hidden = prev if m == 0 else torch.cat((self.buffers.carry[slots, m - 1][:, None], prev[:, : q - 1]), 1)
-                meta = group_metadata(self.state, 1 + m, slots, pos, (num_spec > j)[:, None].expand(-1, q))
-                g = self.mtp(m, ids.reshape(-1), hidden.reshape(batch * q, -1), pos.reshape(-1), meta, self.kv[m],
+                meta, pos = window_rows(self.state, 1 + m, slots, seq_len - m - 1, q, torch.where(used, q, 0))
+                hidden = prev if m == 0 else torch.cat((old_carry[:, m - 1 : m], prev[:, : q - 1]), 1)
+                g = self.mtp(m, seq[:, :q].reshape(-1), hidden.reshape(batch * q, -1), pos, meta, self.kv[m],
                              self.embed).view(batch, q, -1)
                 prev = self.mtp.next_hidden(m, g)
-                g, last = g[rows, accepted + m], prev[rows, accepted + m]
-                carry.append((m, prev[rows, accepted], num_spec > j))
+                at = accepted + m  # the drafting row
+                g_at = g[rows, at]
+                last = g_at if prev is g else prev[rows, at]
+                carry.append((m, last if m == 0 else prev[rows, accepted], used))
+                g = g_at
             else:
-                pos = (seq_len + accepted - 1 + step.offset)[:, None]  # [B, 1]: p + offset
-                meta = group_metadata(self.state, 1 + m, slots, pos, (num_spec > j)[:, None])
-                g = self.mtp(m, drafts[:, j - 1], last, pos.reshape(-1), meta, self.kv[m], self.embed)
+                meta, pos = window_rows(self.state, 1 + m, slots, seq_len + accepted - 1 + step.offset, 1, used.long())
+                g = self.mtp(m, drafts[j - 1], last, pos, meta, self.kv[m], self.embed)
                 last = self.mtp.next_hidden(m, g)
-            drafts[:, j], q_ids[:, j], q_probs[:, j] = sampler(j, self.mtp.logits(m, g, self.head))
-        self.store(slots, drafts, q_ids, q_probs, carry, shape.flags.all_greedy)
+            token, ids, probs = sampler(j, self.mtp.logits(m, g, self.head))
+            drafts.append(token)
+            proposals.append((ids, probs))
+            if j + 1 < len(steps) and steps[j + 1].offset == 0:  # the next module pass reads this draft
+                seq.scatter_(1, draft_at[:, j : j + 1], token[:, None])
+        self.store(slots, torch.stack(drafts, 1), proposals, carry, old_carry)
 
-    @staticmethod
-    def _module_tokens(emitted: torch.Tensor, accepted: torch.Tensor, drafts: torch.Tensor, q: int) -> torch.Tensor:
-        """Row j's token t_{N+j}: emitted[j] for j <= a, else new draft j - a - 1 (garbage if not drafted yet)."""
-        batch, w = emitted.shape
-        j = torch.arange(q, device=emitted.device)[None, :].expand(batch, -1)
-        from_emitted = emitted.gather(1, j.clamp(max=w - 1))
-        from_drafts = drafts.gather(1, (j - accepted[:, None] - 1).clamp(min=0, max=drafts.shape[1] - 1))
-        return torch.where(j <= accepted[:, None], from_emitted, from_drafts)
-
-    def store(self, slots: torch.Tensor, drafts: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
-               carry: list[tuple[int, torch.Tensor, torch.Tensor]], all_greedy: bool) -> None:
-        """Write drafts and carries into the slots after the chain: module m + 1 read the old carry of m."""
+    def store(self, slots: torch.Tensor, drafts: torch.Tensor, proposals: list[tuple[torch.Tensor, torch.Tensor] | tuple[None, None]],
+              carry: list[tuple[int, torch.Tensor, torch.Tensor]], old_carry: torch.Tensor) -> None:
+        """Write drafts, proposals (absent when every row is greedy: greedy verification never reads them)
+        and carries into the slots after the chain. carry lists modules 0, 1, ... in order, each with its
+        g^m row and whether it ran; old_carry [B, modules, H] is what they held before the step."""
         b, k = self.buffers, drafts.shape[1]
         b.draft_tokens[slots, :k] = drafts
-        if not all_greedy:  # greedy verification never reads the proposals
-            b.q_ids[slots, :k] = q_ids
-            b.q_probs[slots, :k] = q_probs
-        for m, rows, used in carry:
-            b.carry[slots, m] = torch.where(used[:, None], rows, b.carry[slots, m])
+        if proposals and proposals[0][0] is not None:
+            b.q_ids[slots, :k] = torch.stack([ids for ids, _ in proposals], 1)
+            b.q_probs[slots, :k] = torch.stack([probs for _, probs in proposals], 1)
+        if carry:
+            n = len(carry)
+            new = torch.stack([g for _, g, _ in carry], 1)  # [B, n, H]
+            used = torch.stack([u for _, _, u in carry], 1)[..., None]  # [B, n, 1]
+            b.carry[slots, :n] = torch.where(used, new, old_carry[:, :n])
 
 
 class DraftSampler:
@@ -99,8 +104,9 @@ class DraftSampler:
         if flags.penalties:
             self.extra = torch.zeros(len(slots), chain.state.vocab, device=slots.device)
 
-    def __call__(self, j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """logits [B, V] -> (draft [B], top-M ids [B, M], top-M probs [B, M])."""
+    def __call__(self, j: int, logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, None, None]:
+        """logits [B, V] -> (draft [B], top-M ids [B, M], top-M probs [B, M]); greedy: (draft [B], None, None)."""
         m = self.chain.top_m
         st = self.samp
         if self.extra is not None:
@@ -110,7 +116,7 @@ class DraftSampler:
             argmax = logits.argmax(-1)
             if self.extra is not None:
                 self.extra[torch.arange(len(argmax), device=argmax.device), argmax] += 1.0
-            return argmax, argmax[:, None].expand(-1, m), torch.zeros(len(argmax), m, device=logits.device)
+            return argmax, None, None
         ids, probs = top_m(to_probs(logits, st), m)
         u = uniforms(st.seed, self.frontier + j, STREAM_DRAFT)
         sampled = ids.gather(1, sample(probs, u)[:, None]).squeeze(1)

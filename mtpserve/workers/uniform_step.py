@@ -19,7 +19,7 @@ from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify
 from mtpserve.workers.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, apply_penalties, to_probs, uniforms
-from mtpserve.workers.slot_state import DeviceState, SamplingFlags, group_metadata
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
 from mtpserve.workers.uniform_chain import UniformChain
 
@@ -47,11 +47,9 @@ class UniformStep:
         st, w = self.state, shape.window
         st.reset_pad()
         seq_len = st.seq_len[slots]  # [B] verified tokens before this step
-        offsets = torch.arange(w, device=slots.device)
-        pos = (seq_len - 1)[:, None] + offsets  # [B, w]
         ids = torch.cat((st.last_token[slots][:, None], self.buffers.draft_tokens[slots, : w - 1]), dim=1)
-        meta = group_metadata(st, 0, slots, pos, offsets[None, :] <= num_drafts[:, None])
-        hidden = self.target(ids.reshape(-1), pos.reshape(-1), meta, self.kv.target)  # [B*w, H]
+        meta, pos = window_rows(st, 0, slots, seq_len - 1, w, num_drafts + 1)  # rows past the drafts write nothing
+        hidden = self.target(ids.reshape(-1), pos, meta, self.kv.target)  # [B*w, H]
         raw = self.target.logits(hidden)  # [B*w, V] fp32
         samp = st.sampling(slots, shape.flags)
         tokens, accepted = self.verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
@@ -69,12 +67,10 @@ class UniformStep:
         logits = self._penalised(raw, samp, slots, drafts) if flags.penalties else raw
         argmax = logits.argmax(-1).view(batch, k + 1)
         if flags.all_greedy:  # exact and cheap: no distributions at all
+            # An accepted draft equals the argmax at its position, so the argmax row is already the accepted
+            # drafts followed by the emitted token (what lies past index a is never read).
             accept = (drafts == argmax[:, :k]) & (torch.arange(k, device=raw.device) < num_drafts[:, None])
-            accepted = accept.long().cumprod(dim=1).sum(dim=1)
-            tokens = torch.cat((drafts, drafts.new_zeros(batch, 1)), dim=1)
-            rows = torch.arange(batch, device=raw.device)
-            tokens[rows, accepted] = argmax[rows, accepted]
-            return tokens, accepted
+            return argmax, accept.cumprod(dim=1).sum(dim=1)
         rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
         probs = to_probs(logits, samp.take(rows)).view(batch, k + 1, -1)
         seed, frontier = samp.seed[:, None], seq_len[:, None]

@@ -19,7 +19,7 @@ import torch
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.workers.model_runner import ModelRunner
-from mtpserve.workers.slot_state import DeviceState, StateDiffs, _last_writes, group_metadata
+from mtpserve.workers.slot_state import DeviceState, StateDiffs, _last_writes, window_rows
 from tests.conftest import prompts_of
 
 LENGTHS = [4, 9, 5, 14, 7, 11, 6, 20]
@@ -93,18 +93,20 @@ def test_engine_default_takes_uniform_steps_for_decode(trained_ckpt: Path) -> No
     assert steps > 5 and engine.executor.runner.uniform.runs == steps - 1
 
 
-def test_group_metadata_drops_writes_outside_owned_blocks() -> None:
+def test_window_rows_drop_writes_past_the_limit_and_outside_owned_blocks() -> None:
     state = DeviceState(num_slots=2, num_groups=1, max_blocks=4, block_size=4, vocab=8, device=torch.device("cpu"))
     diffs = StateDiffs(2, 1, 4, 4)
     diffs.table(0, 1, [7, 3], 0)  # slot 1 owns blocks 7 and 3: positions 0..7
     packed, counts = diffs.pack(np.zeros(0, dtype=np.int64), state.device)
     state.apply(packed, counts)
     slots = torch.tensor([1, state.pad_slot])
-    pos = torch.tensor([[5, 6, 7, 8], [16, 17, 18, 19]])
-    write = torch.tensor([[True, True, False, True], [True] * 4])
-    meta = group_metadata(state, 0, slots, pos, write)
-    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 3 * 4 + 2, -1, -1, -1, -1, -1, -1]
+    meta, pos = window_rows(state, 0, slots, torch.tensor([5, 16]), 4, torch.tensor([3, 4]))
+    assert pos.tolist() == [5, 6, 7, 8, 16, 17, 18, 19]
+    # slot 1: row 3 (position 8) is past its blocks; the pad slot owns nothing
+    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, -1, -1, -1, -1, -1]
     assert meta.seq_lens.tolist() == [9, 20] and meta.query_start_loc.tolist() == [0, 4, 8]
+    meta, _ = window_rows(state, 0, slots, torch.tensor([5, 16]), 4, torch.tensor([2, 4]))
+    assert meta.slot_mapping.tolist()[:4] == [3 * 4 + 1, 3 * 4 + 2, -1, -1]  # rows past the limit write nothing
 
 
 def test_state_diffs_keep_the_last_write_to_each_index() -> None:
