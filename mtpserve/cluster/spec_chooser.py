@@ -27,8 +27,11 @@ class AdaptiveConfig:
     max_k: int  # the largest k any request may run (adaptive requests' cap)
     max_rows: int  # concurrent requests tracked (max_num_seqs)
     decay: float = 0.2  # weight of one observation in a request's estimate (a topic change shows in ~5 steps)
-    prior_decay: float = 0.02  # weight of one step's batch mean in the engine-wide prior
-    initial_acceptance: float = 0.6  # the prior before anything was observed
+    prior_decay: float = 0.02  # weight of one step's batch mean in the engine-wide prior, once it has settled
+    prior_weight: float = 4.0  # the initial prior counts as this many batch means (until then, a plain mean)
+    # The prior before anything was observed: optimistic, because a k set too high shows at once (its drafts
+    # get rejected) and going down is free, while a k set too low never sees the positions it skips.
+    initial_acceptance: float = 0.8
     cost_decay: float = 0.1  # weight of one timed step in its (bucket, k) average
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
@@ -76,6 +79,7 @@ class AcceptanceTable:
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
         self.adaptive = np.zeros(rows, dtype=bool)
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
+        self.prior_steps = np.zeros(k)  # steps that observed each position
         self._free = list(range(rows - 1, -1, -1))
 
     def acquire(self, cap: int, adaptive: bool) -> int:
@@ -112,12 +116,19 @@ class AcceptanceTable:
         self.p[:, rows] = cur + self.config.decay * seen * (hit - cur)
         counts = seen.sum(axis=1)
         means = (hit & seen).sum(axis=1) / np.maximum(counts, 1)
-        self.prior += self.config.prior_decay * (counts > 0) * (means - self.prior)
+        self.prior_steps += counts > 0
+        # A plain running mean until prior_decay takes over: the engine-wide figure settles within a few
+        # steps, so the requests that start from it do not run for long at the initial guess.
+        weight = np.maximum(self.config.prior_decay, 1.0 / (self.config.prior_weight + self.prior_steps))
+        self.prior += weight * (counts > 0) * (means - self.prior)
 
 
 class StepCosts:
     """Decode-step seconds per (batch bucket, k): averages of timed steps, estimated where not measured.
 
+    Start-up seeds (a captured graph's replay: device time only) are kept apart from measured steps
+    (device and host): where a bucket has both at some k, its seeds are moved by their mean difference,
+    so that a seeded k is compared with a measured one on the same footing.
     A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
     when a cell is first measured and every `REFIT` samples after; `costs` estimates what is marked
     when the chooser asks (once per dwell, not every step).
@@ -128,7 +139,8 @@ class StepCosts:
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self.buckets = np.array(batch_buckets(config.max_rows))
-        self.seconds = np.full((len(self.buckets), config.max_k + 1), np.nan)
+        self.seconds = np.full((len(self.buckets), config.max_k + 1), np.nan)  # measured
+        self.seeds = np.full(self.seconds.shape, np.nan)  # start-up timings
         self.samples = np.zeros(self.seconds.shape, dtype=np.int64)
         self._count = 0
         self._slope = config.per_draft_cost
@@ -144,7 +156,7 @@ class StepCosts:
         """A timed decode step of `batch` requests whose chain ran k drafts."""
         b, a = self.bucket(batch), self.config.cost_decay
         old, first = self.seconds[b, k], self.samples[b, k] == 0
-        self.seconds[b, k] = seconds if first else (1.0 - a) * old + a * seconds  # a first step replaces a seed
+        self.seconds[b, k] = seconds if first else (1.0 - a) * old + a * seconds
         self.samples[b, k] += 1
         self._count += 1
         self._refit |= bool(first) or self._count % self.REFIT == 0
@@ -152,15 +164,18 @@ class StepCosts:
 
     def seed(self, batch: int, k: int, seconds: float) -> None:
         """A start-up timing (a captured graph's replay): a first estimate that real steps replace."""
+        self.seeds[self.bucket(batch), k] = seconds
+        self._refit = True
+
+    def timed(self, batch: int, k: int) -> bool:
+        """Whether k has been measured or seeded in this batch's bucket."""
         b = self.bucket(batch)
-        if self.samples[b, k] == 0:
-            self.seconds[b, k] = seconds
-            self._refit = True
+        return not (np.isnan(self.seconds[b, k]) and np.isnan(self.seeds[b, k]))
 
     def slope(self) -> float:
         """Relative extra cost per draft (b / a of cost = a + b k), the median over the buckets where two or
         more k are known; the configured prior before that."""
-        a, b, n = _line_fit(self.seconds)
+        a, b, n = _line_fit(self._known(self.seconds, self.seeds))
         rel = (b / a)[(n >= 2) & (a > 0)]
         return float(np.clip(np.median(rel), 0.0, 10.0)) if rel.size else self.config.per_draft_cost
 
@@ -171,19 +186,27 @@ class StepCosts:
             self._slope, self._table, self._refit = self.slope(), self._estimate(), False
             self._stale[:] = False
         elif self._stale[b]:
-            self._table[b], self._stale[b] = self._estimate(self.seconds[b : b + 1])[0], False
+            self._table[b], self._stale[b] = self._estimate(b)[0], False
         return self._table[b]
 
-    def _estimate(self, seconds: np.ndarray | None = None) -> np.ndarray:
-        """Measured where known; elsewhere the bucket's own line through its measured k (two or more), else
-        1 + slope * k scaled to its one measurement (or unscaled: nothing measured)."""
-        seconds = self.seconds if seconds is None else seconds
-        ks = np.arange(seconds.shape[1])
-        a, b, n = _line_fit(seconds)
-        level = np.nanmax(np.where(np.isnan(seconds), -np.inf, seconds / (1.0 + self._slope * ks)), axis=1)
+    @staticmethod
+    def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """Measured where measured, else the seed moved by its bucket's mean (measured - seed); NaN elsewhere."""
+        both = ~np.isnan(seconds) & ~np.isnan(seeds)
+        offset = np.where(both, seconds - seeds, 0.0).sum(axis=1) / np.maximum(both.sum(axis=1), 1)
+        return np.where(np.isnan(seconds), seeds + offset[:, None], seconds)
+
+    def _estimate(self, bucket: int | None = None) -> np.ndarray:
+        """Known where known; elsewhere the bucket's own line through its known k (two or more), else
+        1 + slope * k scaled to its one known cost (or unscaled: nothing known)."""
+        rows = slice(None) if bucket is None else slice(bucket, bucket + 1)
+        known = self._known(self.seconds[rows], self.seeds[rows])
+        ks = np.arange(known.shape[1])
+        a, b, n = _line_fit(known)
+        level = np.nanmax(np.where(np.isnan(known), -np.inf, known / (1.0 + self._slope * ks)), axis=1)
         level = np.where(n > 0, level, 1.0)
         fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
-        return np.where(np.isnan(seconds), fitted, seconds)
+        return np.where(np.isnan(known), fitted, known)
 
 
 def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -238,7 +261,7 @@ class AdaptiveSpec:
         """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
         Going down costs nothing and gives the bucket's cost line a second point; a k extrapolated from
         the prior slope alone could otherwise look worse than it is, forever."""
-        if k == self.k and k > 0 and np.isnan(self.costs.seconds[self.costs.bucket(batch), k - 1]):
+        if k == self.k and k > 0 and not self.costs.timed(batch, k - 1):
             return k - 1
         return k
 

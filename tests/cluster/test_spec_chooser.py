@@ -3,6 +3,8 @@ costs, and the k it picks."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 
@@ -153,6 +155,16 @@ def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
     assert costs.costs(3)[1] == 2.0
 
 
+def _serve_step(spec: AdaptiveSpec, rows: np.ndarray, p: float, cost: Callable[[int], float],
+                rng: np.random.Generator) -> int:
+    """One simulated decode step: choose k, accept each draft with probability p, time the step; -> k."""
+    k = spec.choose(rows)
+    accepted = np.argmin(np.concatenate((rng.uniform(size=(len(rows), k)) < p, np.zeros((len(rows), 1), bool)), 1), 1)
+    spec.acceptance.observe(rows, np.full(len(rows), k), accepted)
+    spec.costs.observe(len(rows), k, cost(k))
+    return k
+
+
 @pytest.mark.parametrize("p, slope", [(0.5, 0.3), (0.9, 0.05), (0.05, 0.1), (0.8, 0.25), (0.7, 0.5), (0.3, 0.02)])
 def test_settles_near_the_best_k_from_noisy_steps(p: float, slope: float) -> None:
     """Simulated serving: 16 requests whose drafts are accepted with probability p per position, steps
@@ -160,13 +172,7 @@ def test_settles_near_the_best_k_from_noisy_steps(p: float, slope: float) -> Non
     rng = np.random.default_rng(1)
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16))
     rows = np.array([spec.admit(K, True) for _ in range(16)])
-    ks = []
-    for _ in range(600):
-        k = spec.choose(rows)
-        ks.append(k)
-        accepted = np.argmin(np.concatenate((rng.uniform(size=(16, k)) < p, np.zeros((16, 1), bool)), 1), axis=1)
-        spec.acceptance.observe(rows, np.full(16, k), accepted)
-        spec.costs.observe(16, k, (1.0 + slope * k) * rng.uniform(0.8, 1.2))
+    ks = [_serve_step(spec, rows, p, lambda k: (1.0 + slope * k) * rng.uniform(0.8, 1.2), rng) for _ in range(600)]
     tokens = [1 + sum(p**j for j in range(1, k + 1)) for k in range(K + 1)]
     cost = [1 + slope * k for k in range(K + 1)]
     best = max(t / c for t, c in zip(tokens, cost))
@@ -174,3 +180,29 @@ def test_settles_near_the_best_k_from_noisy_steps(p: float, slope: float) -> Non
     rate = sum(tokens[k] for k in after_warm_up) / sum(cost[k] for k in after_warm_up)
     assert rate >= 0.97 * best, f"{rate:.3f} against the best {best:.3f}, choices {sorted(set(after_warm_up))}"
     assert sum(a != b for a, b in zip(ks, ks[1:])) <= 12  # switches stay rare
+
+
+# Start-up graph timings of the default model on an H100 (us per replay, batch 1..8: benchmarks/RESULTS.md);
+# a real step adds host time the graphs do not show.
+GRAPH_US = [297.0, 434.0, 557.0, 676.0, 767.0]
+
+
+@pytest.mark.parametrize("p, host_us, best", [(0.87, 90.0, K), (0.1, 90.0, 0), (0.87, 0.0, K)])
+def test_requests_coming_and_going_settle_on_the_best_k_from_seeded_costs(p: float, host_us: float, best: int) -> None:
+    """Serving as on the GPU: costs seeded from device-only graph timings, real steps costing more by host time,
+    and requests of ~40 steps replaced as they finish, each new one starting from the engine-wide prior."""
+    rng = np.random.default_rng(3)
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+    for k, us in enumerate(GRAPH_US):
+        spec.costs.seed(8, k, us * 1e-6)
+    rows, life = np.array([spec.admit(K, True) for _ in range(8)]), rng.integers(1, 40, 8)
+    ks = []
+    for _ in range(400):
+        ks.append(_serve_step(spec, rows, p, lambda k: (GRAPH_US[k] + host_us) * 1e-6 * rng.uniform(0.95, 1.05), rng))
+        life -= 1
+        for i in np.flatnonzero(life <= 0):  # a finished request's row goes to a new one
+            spec.release(int(rows[i]))
+            rows[i], life[i] = spec.admit(K, True), 40
+    assert ks[0] == K  # the first choice, before any observation, drafts as far as it may
+    settled = ks[50:]
+    assert settled.count(best) >= 0.9 * len(settled), f"choices after warm-up: {np.bincount(settled, minlength=K + 1)}"
