@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Top-p filtering (issue 10): the full-vocabulary sort that to_probs used before (the reference,
 copied inline here) against to_probs' threshold (sampling._top_p_threshold: a bisection at vocabularies
-of sampling.BISECT_MIN_VOCAB and more, a sort below), in one run.
+of sampling.BISECT_MIN_VOCAB and more off CUDA, a sort of the probabilities elsewhere), and against the
+bisection forced everywhere, in one run.
 
     python benchmarks/sampling_benchmark.py [--device cpu|cuda] [--batch 1,8,32,128] [--vocab 151936] [--iters 20]
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Table  # noqa: E402
 
+from mtpserve.workers import sampling  # noqa: E402
 from mtpserve.workers.sampling import SamplingTensors, to_probs  # noqa: E402
 
 
@@ -63,6 +65,16 @@ def check_same_tokens(logits: torch.Tensor, st: SamplingTensors, batch: int) -> 
     return int(differ.sum())
 
 
+def bisected(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """to_probs with the threshold found by bisection whatever the vocabulary and device."""
+    saved = sampling.BISECT_MIN_VOCAB, sampling.BISECT_ON_CUDA
+    sampling.BISECT_MIN_VOCAB, sampling.BISECT_ON_CUDA = 0, True
+    try:
+        return to_probs(logits, st)
+    finally:
+        sampling.BISECT_MIN_VOCAB, sampling.BISECT_ON_CUDA = saved
+
+
 def graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
     """On CUDA, fn captured once in a CUDA graph (its replay is what a step pays); elsewhere fn itself."""
     if device.type != "cuda":
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     common.tiny_defaults(p, args, batch="1,8", vocab=4096, iters=5)
     device = common.pick_device(args.device, args.tiny)
     table = Table(f"top-p over a {args.vocab}-token vocabulary (ms per call, median of {args.iters})",
-                  ["batch", "sort ms", "threshold ms", "ratio", "softmax only ms"])
+                  ["batch", "sort ms", "threshold ms", "ratio", "bisection ms", "softmax only ms"])
     gen = torch.Generator().manual_seed(0)
     boundary = 0
     for b in common.parse_ints(args.batch):
@@ -97,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         st = top_p_settings((0.5 + 0.49 * torch.rand(b, generator=gen)).to(device))
         boundary += check_same_tokens(logits, st, b)
         times = [common.median(common.time_ms(graphed(fn, device), device, args.warmup, args.iters)) for fn in (
-            lambda: sort_top_p(logits, st.top_p), lambda: to_probs(logits, st),
+            lambda: sort_top_p(logits, st.top_p), lambda: to_probs(logits, st), lambda: bisected(logits, st),
             lambda: to_probs(logits, replace(st, use_top_p=False)))]
-        table.add(str(b), times[0], times[1], f"{times[0] / times[1]:.2f}x", times[2])
+        table.add(str(b), times[0], times[1], f"{times[0] / times[1]:.2f}x", times[2], times[3])
     how = "CUDA-graph replays" if device.type == "cuda" else "eager calls"
     common.report(args, "sampling_benchmark", device, [table], [
         f"device: {common.device_name(device)}", f"timed: {how}",

@@ -77,6 +77,10 @@ def apply_penalties(
 # Below this vocabulary a sort is cheaper than 31 full-row passes (on the 2-core CPU at 8192 tokens, batch
 # 1: 0.62 vs 1.27 ms; at 151936: 14.9 vs 7.0 ms, benchmarks/RESULTS.md). Both give the same threshold.
 BISECT_MIN_VOCAB = 32768
+# On CUDA the sort wins at every size measured: inside CUDA graphs on an H100 at 151936 tokens, 0.13 vs 0.59 ms
+# at batch 1 and 5.2 vs 10.6 ms at 256 (benchmarks/RESULTS.md): cub's radix sort reads the row a few times,
+# the bisection 31 times. Only a one-kernel selection could beat it there. (Tests set this to run both ways.)
+BISECT_ON_CUDA = False
 
 
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -89,7 +93,7 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     on = (top_p > 0.0) & (top_p < 1.0)
     need = torch.where(on, top_p.float(), float("inf"))[:, None]  # [B, 1]; inf: never reached
-    if probs.shape[-1] < BISECT_MIN_VOCAB:
+    if probs.shape[-1] < BISECT_MIN_VOCAB or (probs.is_cuda and not BISECT_ON_CUDA):
         return _threshold_by_sort(probs, need)
     return _threshold_by_bisection(probs, need)
 

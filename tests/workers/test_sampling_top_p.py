@@ -21,6 +21,7 @@ from mtpserve.workers.sampling import SamplingTensors, _top_p_threshold, to_prob
 def threshold_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with both ways to the threshold, whatever the vocabulary (they must agree)."""
     monkeypatch.setattr(sampling, "BISECT_MIN_VOCAB", 1 << 62 if request.param == "sort" else 0)
+    monkeypatch.setattr(sampling, "BISECT_ON_CUDA", request.param == "bisection")
     return request.param
 
 
