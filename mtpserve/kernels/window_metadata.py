@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# q and num_reqs stay runtime ints even when 1: Triton would otherwise fold them into constants, where the
+# int arithmetic below is Python's, not a tensor's.
+@triton.jit(do_not_specialize=["q", "num_reqs"])
 def _window_metadata_kernel(
     tables_ptr, capacity_ptr, slots_ptr, first_ptr, limit_ptr,
     pos_ptr, slot_mapping_ptr, seq_lens_ptr, qsl_ptr,
@@ -34,10 +36,10 @@ def _window_metadata_kernel(
     out = b.to(tl.int64) * q + j
     tl.store(pos_ptr + out, pos, mask=in_window)
     tl.store(slot_mapping_ptr + out, slot_mapping, mask=in_window)
-    tl.store(seq_lens_ptr + b, (first + q).to(tl.int32))
-    tl.store(qsl_ptr + b, (b * q).to(tl.int32))
+    tl.store(seq_lens_ptr + b, first + q)  # stores cast to the int32 outputs
+    tl.store(qsl_ptr + b, b * q)
     if b == 0:
-        tl.store(qsl_ptr + num_reqs, (num_reqs * q).to(tl.int32))
+        tl.store(qsl_ptr + num_reqs, num_reqs * q)
 
 
 def window_metadata(
