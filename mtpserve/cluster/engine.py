@@ -48,6 +48,7 @@ class _Step:
     plan: StepPlan
     stats: StepStats
     handle: Any  # a StepResult when it already ran, else the executor's handle
+    overlapped: bool = False  # launched while the step before it was still in flight
 
 
 class LLMEngine:
@@ -148,7 +149,10 @@ class LLMEngine:
         following = self._launch_overlapped()
         done, self._in_flight = self._in_flight, following
         result = done.handle if isinstance(done.handle, StepResult) else self.executor.wait(done.handle)
-        return self._postprocess(done.plan, result, done.stats)
+        # With async scheduling a lap is one step's period only inside an unbroken pipeline: a step launched
+        # synchronously did its work inside the previous lap, and a lap after it can be a few microseconds.
+        steady = not self._async or (done.overlapped and following is not None)
+        return self._postprocess(done.plan, result, done.stats, steady)
 
     def _launch(self, schedule) -> _Step:
         t0, preemptions = time.perf_counter(), self.scheduler.num_preemptions
@@ -169,9 +173,11 @@ class LLMEngine:
         if not step.plan.req_ids:
             return None
         self.num_overlapped_steps += 1
+        step.overlapped = True
         return step
 
-    def _postprocess(self, plan: StepPlan, result: StepResult, stats: StepStats) -> list[RequestOutput]:
+    def _postprocess(self, plan: StepPlan, result: StepResult, stats: StepStats,
+                     steady: bool = True) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         step_spec = SpecCounters()
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
@@ -189,11 +195,11 @@ class LLMEngine:
         stats.num_generation_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.spec = step_spec
         stats.target_seconds, stats.draft_seconds = result.target_seconds, result.draft_seconds
-        self._learn_cost(plan, stats)
+        self._learn_cost(plan, stats, steady)
         self.last_stats = stats
         return outputs
 
-    def _learn_cost(self, plan: StepPlan, stats: StepStats) -> None:
+    def _learn_cost(self, plan: StepPlan, stats: StepStats, steady: bool) -> None:
         """Feed the step-cost model (design §9) and report the chosen k. A step's cost is the time since the
         previous step ended: with overlapped steps that is what the batch pays per step, host or device.
         Only decode steps at the same k as the one before count: a step with prompt chunks (or a catch-up
@@ -204,7 +210,7 @@ class LLMEngine:
             return
         stats.acceptance_estimate = self.adaptive.estimates()
         stats.spec_k = self.scheduler.step_k if self.adaptive.active else None  # None: no "auto" request ran
-        if seconds is not None and max(plan.num_drafts, default=0) == k:
+        if seconds is not None and steady and max(plan.num_drafts, default=0) == k:
             self.adaptive.costs.observe(len(plan.req_ids), k, seconds)
 
     def _prompt_tokens(self, plan: StepPlan) -> int:

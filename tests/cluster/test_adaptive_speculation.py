@@ -18,7 +18,7 @@ import torch
 
 from mtpserve import LLM, SamplingParams
 from mtpserve.cluster.scheduler import Scheduler
-from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from mtpserve.cluster.spec_chooser import AdaptiveSpec, StepCosts
 from tests.cluster.test_lossless_sampling import SAMPLES, SETTINGS, VOCAB, PROMPT, _exact_joint, small_vocab_ckpt  # noqa: F401
 from tests.conftest import prompts_of
 from tests.stats import ALPHA, chi_square_pvalue
@@ -160,3 +160,18 @@ def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
     assert [o.token_ids for o in llm.generate(prompts_of(64, [9, 14, 5], seed=8), GREEDY)] == expected
     assert runner.num_catch_ups >= 3 and runner.prefill.runs - prefills > runner.num_catch_ups // 3
     assert not general, "every catch-up was an aligned chunk without drafts"
+
+
+def test_step_costs_are_learned_only_from_whole_step_periods(partly_trained: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async scheduling a step launched synchronously does its work inside the lap before it, and the
+    lap after it is a few microseconds: such laps must not become step costs (on an H100 one made k = 0 look
+    50x cheaper than it is, and the chooser ran 16 steps without drafts)."""
+    samples: list[float] = []
+    observe = StepCosts.observe
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, s: (samples.append(s), observe(self, batch, k, s)))
+    llm = LLM(str(partly_trained), block_size=4, async_scheduling=True)
+    for _ in range(3):  # closed loops that start and drain, so that sync and overlapped launches alternate
+        llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
+    assert len(samples) > 20
+    assert min(samples) > 0.25 * float(np.median(samples)), sorted(samples)[:5]
