@@ -32,6 +32,10 @@ class AdaptiveConfig:
     # The prior before anything was observed: optimistic, because a k set too high shows at once (its drafts
     # get rejected) and going down is free, while a k set too low never sees the positions it skips.
     initial_acceptance: float = 0.8
+    # What the chooser uses is a request's estimate shrunk toward the prior, as if the prior were this many
+    # observations (a request's own count saturates at 1 / decay): a short run of rejections, common within
+    # one request, must not send a whole step to k = 0, where nothing is observed until the next choice.
+    prior_strength: float = 5.0
     cost_decay: float = 0.1  # weight of one timed step in its (bucket, k) average
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
@@ -76,6 +80,7 @@ class AcceptanceTable:
         self.prior = np.full(k, config.initial_acceptance)
         self._j = np.arange(k)[:, None]  # draft positions, as a column
         self.p = np.tile(self.prior[:, None], (1, rows))  # [K, rows]
+        self.n = np.zeros((k, rows))  # decayed observation counts behind p
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
         self.adaptive = np.zeros(rows, dtype=bool)
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
@@ -86,20 +91,26 @@ class AcceptanceTable:
         row = self._free.pop()
         self.within[:, row] = np.arange(self.p.shape[0]) < cap
         self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
-        self.p[:, row] = self.prior
+        self.p[:, row], self.n[:, row] = self.prior, 0.0
         return row
 
     def release(self, row: int) -> None:
         self._free.append(row)
 
     def set(self, rows: np.ndarray, p: np.ndarray) -> None:
-        """Estimates p [K, n] for rows [n]."""
-        self.p[:, rows] = p
+        """Estimates p [K, n] for rows [n], held as certain (tests: synthetic tables)."""
+        self.p[:, rows], self.n[:, rows] = p, 1e12
+
+    def shrunk(self, rows: np.ndarray) -> np.ndarray:
+        """[K, n]: the rows' estimates blended with the prior by their observation counts."""
+        n, s = self.n.take(rows, axis=1), self.config.prior_strength
+        mine = np.divide(n, n + s, out=np.ones_like(n), where=n + s > 0)  # strength 0: the request's own
+        return mine * self.p.take(rows, axis=1) + (1.0 - mine) * self.prior[:, None]
 
     def fold(self, rows: np.ndarray) -> tuple[np.ndarray, float, int]:
         """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
         token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k)."""
-        reach = self.p.take(rows, axis=1)  # [K, n], made prod_{i <= j} p_i in place (K is small)
+        reach = self.shrunk(rows)  # [K, n], made prod_{i <= j} p_i in place (K is small)
         for j in range(1, reach.shape[0]):
             reach[j] *= reach[j - 1]
         reach *= self.within.take(rows, axis=1)
@@ -112,8 +123,9 @@ class AcceptanceTable:
         j < accepted were accepted, position `accepted` (when < drafts) rejected, later ones not seen."""
         seen = self._j < np.minimum(accepted + 1, drafts)  # [K, n]
         hit = self._j < accepted
-        cur = self.p[:, rows]
-        self.p[:, rows] = cur + self.config.decay * seen * (hit - cur)
+        cur, d = self.p[:, rows], self.config.decay
+        self.p[:, rows] = cur + d * seen * (hit - cur)
+        self.n[:, rows] = np.where(seen, (1.0 - d) * self.n[:, rows] + 1.0, self.n[:, rows])
         counts = seen.sum(axis=1)
         means = (hit & seen).sum(axis=1) / np.maximum(counts, 1)
         self.prior_steps += counts > 0
