@@ -40,11 +40,15 @@ def attend(
     """Write this step's K/V ([T, Hkv, D]) into the pool, then attend with q ([T, H, D]) -> [T, H, D]."""
     if q.is_cuda:
         from mtpserve.kernels.store_kv import store_kv
-
-        paged_attention = _cuda_attention(q, kv, meta)
     else:
-        paged_attention, store_kv = paged_attention_ref, store_kv_ref
+        store_kv = store_kv_ref
     store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
+    return attend_stored(q, kv, meta, scale)
+
+
+def attend_stored(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attend with q ([T, H, D]) over a pool that already holds this step's K/V -> [T, H, D]."""
+    paged_attention = _cuda_attention(q, kv, meta) if q.is_cuda else paged_attention_ref
     return paged_attention(
         q, kv.k, kv.v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.max_query_len, meta.max_seq_len, scale,

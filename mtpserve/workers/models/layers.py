@@ -18,7 +18,7 @@ from mtpserve.kernels.linear_dispatch import DispatchedLinear  # nn.Linear; cuBL
 from mtpserve.kernels.rmsnorm_ref import rms_norm_ref
 from mtpserve.kernels.rope_ref import rope_ref
 from mtpserve.kernels.silu_mul_ref import silu_mul_ref
-from mtpserve.workers.attention import AttentionMetadata, LayerKV, attend
+from mtpserve.workers.attention import AttentionMetadata, LayerKV, attend, attend_stored
 from mtpserve.workers.models.config import ModelConfig, RopeConfig
 
 
@@ -144,11 +144,24 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self._fused(q):  # q/k norm, RoPE and the KV store in one kernel
+            from mtpserve.kernels.qk_norm_rope_store import qk_norm_rope_store
+
+            norm = self.q_norm is not None
+            q = qk_norm_rope_store(q, k, v, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                   self.q_norm.eps if norm else 0.0, self.rotary.cos, self.rotary.sin, positions,
+                                   kv.k, kv.v, meta.slot_mapping)
+            return self.o_proj(attend_stored(q, kv, meta, self.scale).reshape(-1, q_size))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
         out = attend(q, k, v, kv, meta, self.scale)
         return self.o_proj(out.reshape(-1, q_size))
+
+    def _fused(self, q: torch.Tensor) -> bool:
+        """The fused kernel takes norm weights in q's own dtype (the unfused norm would promote others)."""
+        norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        return use_fused(q) and all(w.dtype == q.dtype for w in norms)
 
 
 class MLP(nn.Module):
