@@ -147,6 +147,9 @@ class StepCosts:
     """
 
     REFIT = 32
+    # One 10x lap would otherwise raise its k's average by 90 % at cost_decay 0.1 and send the chooser away
+    # from that k for a whole dwell (and a catch-up to come back).
+    OUTLIER = 1.5
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
@@ -168,6 +171,8 @@ class StepCosts:
         """A timed decode step of `batch` requests whose chain ran k drafts."""
         b, a = self.bucket(batch), self.config.cost_decay
         old, first = self.seconds[b, k], self.samples[b, k] == 0
+        if not first:  # a lap stretched by a GC pause or the OS counts as at most OUTLIER x the average
+            seconds = min(max(seconds, old / self.OUTLIER), old * self.OUTLIER)
         self.seconds[b, k] = seconds if first else (1.0 - a) * old + a * seconds
         self.samples[b, k] += 1
         self._count += 1

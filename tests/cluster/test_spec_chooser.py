@@ -151,8 +151,8 @@ def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
     costs.observe(3, 1, 3.0)  # the first real step replaces the seed ...
     assert costs.costs(3)[1] == 3.0
     costs.seed(3, 1, 1.0)  # ... a measured cell ignores later seeds ...
-    costs.observe(3, 1, 1.0)  # ... and later steps are averaged in
-    assert costs.costs(3)[1] == 2.0
+    costs.observe(3, 1, 2.0)  # ... and later steps are averaged in
+    assert costs.costs(3)[1] == 2.5
 
 
 def _serve_step(spec: AdaptiveSpec, rows: np.ndarray, p: float, cost: Callable[[int], float],
@@ -234,3 +234,12 @@ def test_one_request_at_a_time_keeps_its_k_through_runs_of_rejections() -> None:
     alone = [_one_at_a_time(0.0, seed) for seed in range(5, 9)]
     assert min(shrunk) >= 0.98, shrunk
     assert min(alone) < 0.9, alone
+
+
+def test_a_stretched_lap_moves_its_cost_only_a_little() -> None:
+    costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=8, cost_decay=0.1))
+    costs.observe(1, 4, 1.0)
+    costs.observe(1, 4, 10.0)  # a GC pause inside the lap
+    assert costs.seconds[costs.bucket(1), 4] == pytest.approx(0.9 + 0.1 * 1.5)
+    costs.observe(1, 4, 0.0)  # and a lap that ended early
+    assert costs.seconds[costs.bucket(1), 4] == pytest.approx(0.9 * 1.05 + 0.1 * 1.05 / 1.5)
