@@ -115,7 +115,8 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         q_out, q, k, v, q_weight if norm else q, k_weight if norm else q, cos, sin, positions, slot_mapping,
         k_cache, v_cache, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, D=head_dim, HALF=half, HALF_P=triton.next_power_of_2(half), REST=rest,
         REST_P=max(1, triton.next_power_of_2(rest)), PAGE=k_cache.shape[1], NORM=norm, num_warps=1,
     )

@@ -30,6 +30,10 @@ from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
 
 
+# A draft position's top-M proposal ids and probabilities [B, M], or (None, None) for a greedy batch.
+Proposal = tuple[torch.Tensor, torch.Tensor] | tuple[None, None]
+
+
 class UniformChain:
     def __init__(self, mtp: MTPStack, embed: nn.Embedding, head: nn.Linear, kv: list[LayerKV],
                  buffers: SlotBuffers, state: DeviceState, mode: str, top_m: int, num_modules: int) -> None:
@@ -77,7 +81,7 @@ class UniformChain:
                 seq.scatter_(1, draft_at[:, j : j + 1], token[:, None])
         self.store(slots, torch.stack(drafts, 1), proposals, carry, old_carry)
 
-    def store(self, slots: torch.Tensor, drafts: torch.Tensor, proposals: list[tuple[torch.Tensor, torch.Tensor] | tuple[None, None]],
+    def store(self, slots: torch.Tensor, drafts: torch.Tensor, proposals: list[Proposal],
               carry: list[tuple[int, torch.Tensor, torch.Tensor]], old_carry: torch.Tensor) -> None:
         """Write drafts, proposals (absent when every row is greedy: greedy verification never reads them)
         and carries into the slots after the chain. carry lists modules 0, 1, ... in order, each with its
