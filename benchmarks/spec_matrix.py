@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,32,128")
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per cell = this x concurrency ...")
     p.add_argument("--min-requests", type=int, default=8, help="... but at least this many")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measured runs per cell, the k's rotated each round; the row is the median run (cells of "
+                        "one run varied by 10 %% on the H100, more than auto's target allows)")
     p.add_argument("--no-capture-at-start", action="store_true", help="EngineConfig.capture_graphs_at_start=False")
     p.add_argument("--prefill-step-rows", type=int, default=None,
                    help="EngineConfig.prefill_step_rows (default: the engine's; 0: prompts take the general path)")
@@ -131,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
                        *[f"acc@{j + 1}" for j in range(max_k)], "speedup", "vs best"])
         summary = []
         for c in concurrency:
-            rows = {k: _cell(drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}"), k, c, args.max_tokens)
-                    for k in ks}
+            runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
+            for r in range(args.repeats):  # each round starts at another k: no k always runs first
+                for k in ks[r % len(ks):] + ks[: r % len(ks)]:
+                    runs[k].append(drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}"))
+            rows = {k: _cell(_median_run(runs[k]), k, c, args.max_tokens) for k in ks}
             base = rows[0][0].tokens_per_s if 0 in rows else None
             best = max((rows[k][0].tokens_per_s for k in fixed), default=None)
             for k, (run, cell) in rows.items():
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
              "TTFT/TPOT in ms, from the moment " + ("each streamed chunk arrives (the device line is this client's)"
                                                    if server else "step() returns the tokens")
              + "; percentiles interpolated over requests"]
+    if args.repeats > 1:
+        notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in rotated order each round")
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
     common.report(args, "spec_matrix", device, [table], notes)
@@ -181,6 +189,11 @@ def _prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] |
     check(vocab is not None, "--workload random needs the vocabulary size (not available over --http)")
     rng = random.Random(args.seed)
     return [[rng.randrange(vocab) for _ in range(args.random_prompt_len)] for _ in range(n)]
+
+
+def _median_run(runs: list[workloads.Run]) -> workloads.Run:
+    """The run of median throughput (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda run: run.tokens_per_s)[(len(runs) - 1) // 2]
 
 
 def _cell(run: workloads.Run, k: int | str, c: int, max_tokens: int) -> tuple[workloads.Run, list]:
