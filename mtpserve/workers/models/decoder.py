@@ -29,10 +29,10 @@ class TargetModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: list[LayerKV]
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states before the final norm, [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         for layer, layer_kv in zip(self.layers, kv):
-            x = layer(x, positions, meta, layer_kv)
-        return x
+            x, delta = layer.forward_residual(x, delta, positions, meta, layer_kv)
+        return x if delta is None else x + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden rows [n, hidden] -> fp32 logits [n, vocab]."""
