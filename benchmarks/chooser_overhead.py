@@ -8,7 +8,8 @@ running requests, learning from a step's accepted counts, and recording its time
 It drives mtpserve.cluster.spec_chooser.AdaptiveSpec directly, as the scheduler does every step:
 choose for the running requests' rows (Scheduler._choose_k gathers them from the Request objects only
 when the running set changed: "gather"); after the step observe (AcceptanceTable.observe) and the
-cost update (StepCosts.observe).
+cost update (StepCosts.observe). "observe" is per step with the fold the chooser makes once per dwell
+(AcceptanceTable.flush every 16 queued steps) spread over the steps it covers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def _us(fn, steps: int) -> tuple[float, float]:
     return float(np.percentile(us, 50)), float(np.percentile(us, 99))
 
 
+def _observe_dwell(spec: AdaptiveSpec, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
+    """A dwell's 16 steps of observations, then their fold (as the chooser makes it)."""
+    for _ in range(16):
+        spec.acceptance.observe(rows, drafts, accepted)
+    spec.acceptance.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(p)
@@ -64,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = gather()
         c = _us(lambda: spec.choose(rows), args.steps)
         g = _us(gather, args.steps)
-        o = _us(lambda: spec.acceptance.observe(rows, drafts, accepted), args.steps)
+        o = _us(lambda: _observe_dwell(spec, rows, drafts, accepted), args.steps // 16)
+        o = (o[0] / 16, o[1] / 16)
         k = _us(lambda: spec.costs.observe(n, 2, 0.01), args.steps)  # the estimate itself waits for choose
         table.add(str(n), *c, *g, *o, *k)
     common.report(args, "chooser_overhead", CPU, [table],

@@ -72,13 +72,18 @@ class AcceptanceTable:
 
     Kept transposed ([K, rows]), with each row's cap as a 0/1 mask over positions, so that folding a
     batch for the chooser (`fold`) is a gather, a cumulative product and two sums.
+
+    A step's observations are queued (a list append: the host pays per step only that) and folded in,
+    in order and exactly, when the chooser reads the estimates (once per dwell) or on `flush`: the fold
+    of many steps is a closed form over all of them at once. A row admitted in between starts from the
+    prior of the last fold, and only the observations queued after its admission are its own.
     """
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         k, rows = max(config.max_k, 1), config.max_rows
         self.prior = np.full(k, config.initial_acceptance)
-        self._j = np.arange(k)[:, None]  # draft positions, as a column
+        self._j = np.arange(k)  # draft positions
         self.p = np.tile(self.prior[:, None], (1, rows))  # [K, rows]
         self.n = np.zeros((k, rows))  # decayed observation counts behind p
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
@@ -86,10 +91,13 @@ class AcceptanceTable:
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
         self.prior_steps = np.zeros(k)  # steps that observed each position
         self._free = list(range(rows - 1, -1, -1))
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._owned_from = np.zeros(rows, dtype=np.int64)  # the first queued step that is the row's own
 
     def acquire(self, cap: int, adaptive: bool) -> int:
         row = self._free.pop()
-        self.within[:, row] = np.arange(self.p.shape[0]) < cap
+        self._owned_from[row] = len(self._pending)  # a previous holder's queued steps count for the prior only
+        self.within[:, row] = self._j < cap
         self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
         self.p[:, row], self.n[:, row] = self.prior, 0.0
         return row
@@ -99,6 +107,7 @@ class AcceptanceTable:
 
     def set(self, rows: np.ndarray, p: np.ndarray) -> None:
         """Estimates p [K, n] for rows [n], held as certain (tests: synthetic tables)."""
+        self.flush()
         self.p[:, rows], self.n[:, rows] = p, 1e12
 
     def shrunk(self, rows: np.ndarray) -> np.ndarray:
@@ -110,6 +119,7 @@ class AcceptanceTable:
     def fold(self, rows: np.ndarray) -> tuple[np.ndarray, float, int]:
         """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
         token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k)."""
+        self.flush()
         reach = self.shrunk(rows)  # [K, n], made prod_{i <= j} p_i in place (K is small)
         for j in range(1, reach.shape[0]):
             reach[j] *= reach[j - 1]
@@ -119,20 +129,55 @@ class AcceptanceTable:
         return gains, base, int(self.floor_cap.take(rows).max())
 
     def observe(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
-        """A step verified drafts[i] drafts of row rows[i] and accepted accepted[i] of them: positions
-        j < accepted were accepted, position `accepted` (when < drafts) rejected, later ones not seen."""
-        seen = self._j < np.minimum(accepted + 1, drafts)  # [K, n]
-        hit = self._j < accepted
-        cur, d = self.p[:, rows], self.config.decay
-        self.p[:, rows] = cur + d * seen * (hit - cur)
-        self.n[:, rows] = np.where(seen, (1.0 - d) * self.n[:, rows] + 1.0, self.n[:, rows])
-        counts = seen.sum(axis=1)
-        means = (hit & seen).sum(axis=1) / np.maximum(counts, 1)
-        self.prior_steps += counts > 0
-        # A plain running mean until prior_decay takes over: the engine-wide figure settles within a few
-        # steps, so the requests that start from it do not run for long at the initial guess.
-        weight = np.maximum(self.config.prior_decay, 1.0 / (self.config.prior_weight + self.prior_steps))
-        self.prior += weight * (counts > 0) * (means - self.prior)
+        """A step verified drafts[i] drafts of row rows[i] (each row once) and accepted accepted[i] of them:
+        positions j < accepted were accepted, position `accepted` (when < drafts) rejected, later ones not
+        seen. Queued until the next fold."""
+        if len(rows):
+            self._pending.append((rows, drafts, accepted))
+
+    def flush(self) -> None:
+        """Fold the queued steps into the estimates, as if each had been folded when it was observed."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        sizes = [len(r) for r, _, _ in pending]
+        rows, drafts, accepted = (np.concatenate(x) for x in zip(*pending))
+        seen = self._j < np.minimum(accepted + 1, drafts)[:, None]  # [M, K], the steps' entries in order
+        hit = self._j < accepted[:, None]  # accepted <= drafts: every hit was seen
+        own = np.repeat(np.arange(len(pending)), sizes) >= self._owned_from[rows]
+        self._owned_from[:] = 0
+        self._fold_prior(np.cumsum([0] + sizes[:-1]), seen, hit)
+        if own.any():
+            self._fold_rows(rows[own], seen[own], hit[own])
+
+    def _fold_rows(self, rows: np.ndarray, seen: np.ndarray, hit: np.ndarray) -> None:
+        """Each seen observation moves p by decay toward 0 or 1: after s of them in order,
+        p = (1 - d)^s p0 + sum_e d (1 - d)^(seen after e) hit_e, and n likewise with 1 for hit_e."""
+        d = self.config.decay
+        order = np.argsort(rows, kind="stable")  # grouped by row, each row's entries still in step order
+        r, s, h = rows[order], seen[order].astype(np.float64), hit[order]
+        starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+        group = np.cumsum(np.r_[True, r[1:] != r[:-1]]) - 1
+        upto = np.cumsum(s, axis=0)  # seen so far, counting from the first row
+        before = (upto - s)[starts]  # [G, K] seen before each row's first entry
+        total = np.add.reduceat(s, starts, axis=0)  # [G, K] seen per row
+        later = s * (1.0 - d) ** (total[group] - (upto - before[group]))  # (1 - d)^(seen after e), 0 if unseen
+        keep, ids = (1.0 - d) ** total, r[starts]
+        self.p[:, ids] = (keep * self.p[:, ids].T + d * np.add.reduceat(later * h, starts, axis=0)).T
+        self.n[:, ids] = (keep * self.n[:, ids].T + np.add.reduceat(later, starts, axis=0)).T
+
+    def _fold_prior(self, step_starts: np.ndarray, seen: np.ndarray, hit: np.ndarray) -> None:
+        """Each step moves the prior toward its batch mean per position it saw, by a weight that is a plain
+        running mean's until prior_decay takes over (the engine-wide figure settles within a few steps, so
+        the requests that start from it do not run for long at the initial guess)."""
+        counts = np.add.reduceat(seen.astype(np.float64), step_starts, axis=0)  # [S, K]
+        means = np.add.reduceat(hit.astype(np.float64), step_starts, axis=0) / np.maximum(counts, 1.0)
+        saw = counts > 0
+        steps = self.prior_steps + np.cumsum(saw, axis=0)  # prior_steps after each step
+        a = saw * np.maximum(self.config.prior_decay, 1.0 / (self.config.prior_weight + steps))
+        after = np.cumprod(np.vstack((np.ones((1, a.shape[1])), (1.0 - a)[:0:-1])), axis=0)[::-1]  # prod_{u > t}
+        self.prior = self.prior * (1.0 - a[0]) * after[0] + (a * means * after).sum(axis=0)
+        self.prior_steps = steps[-1]
 
 
 class StepCosts:
@@ -283,5 +328,7 @@ class AdaptiveSpec:
         return k
 
     def estimates(self) -> list[float]:
-        """The engine-wide acceptance estimate per draft position (for metrics)."""
+        """The engine-wide acceptance estimate per draft position (for metrics), as of the last fold: at
+        most min_dwell steps old while adaptive requests run (folding every step would cost what queueing
+        saves)."""
         return self.acceptance.prior[: self.config.max_k].tolist()

@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec, StepCosts, choose_k, expected_tokens
+from mtpserve.cluster.spec_chooser import (AcceptanceTable, AdaptiveConfig, AdaptiveSpec, StepCosts, choose_k,
+                                           expected_tokens)
 
 K = 4
 
@@ -113,9 +114,12 @@ def test_estimates_decay_toward_what_is_observed() -> None:
     t = spec.acceptance
     np.testing.assert_allclose(t.p[:, row[0]], 0.6)
     t.observe(row, np.array([3]), np.array([1]))  # draft 1 accepted, draft 2 rejected, draft 3 not reached
+    np.testing.assert_allclose(t.p[:, row[0]], 0.6)  # queued until folded
+    t.flush()
     np.testing.assert_allclose(t.p[:, row[0]], [0.8, 0.3, 0.6, 0.6])
     for _ in range(4):  # a change of topic: nothing is accepted any more
         t.observe(row, np.array([3]), np.array([0]))
+    t.flush()
     assert t.p[0, row[0]] < 0.06
     spec.choose(row)
     assert spec.k == 0 or spec.choose(row) == 0
@@ -125,10 +129,59 @@ def test_new_requests_start_from_the_engine_wide_prior() -> None:
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, prior_decay=0.5, initial_acceptance=0.6))
     rows = np.array([spec.admit(K, True) for _ in range(4)])
     spec.acceptance.observe(rows, np.full(4, 2), np.array([0, 0, 0, 1]))  # position 1: 1 of 4; position 2: 0 of 1
+    spec.acceptance.flush()
     np.testing.assert_allclose(spec.estimates(), [0.5 * 0.6 + 0.5 * 0.25, 0.3, 0.6, 0.6])
     spec.release(int(rows[0]))
     fresh = spec.admit(K, True)
     np.testing.assert_allclose(spec.acceptance.p[:, fresh], spec.acceptance.prior)
+
+
+def _observe_stepwise(t: AcceptanceTable, steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """The update one observation at a time, as the table's fold must reproduce it."""
+    d = t.config.decay
+    for rows, drafts, accepted in steps:
+        seen = np.arange(t.p.shape[0])[:, None] < np.minimum(accepted + 1, drafts)
+        hit = (np.arange(t.p.shape[0])[:, None] < accepted).astype(float)
+        t.p[:, rows] = np.where(seen, (1 - d) * t.p[:, rows] + d * hit, t.p[:, rows])
+        t.n[:, rows] = np.where(seen, (1 - d) * t.n[:, rows] + 1, t.n[:, rows])
+        counts = seen.sum(axis=1)
+        t.prior_steps += counts > 0
+        weight = np.maximum(t.config.prior_decay, 1 / (t.config.prior_weight + t.prior_steps))
+        t.prior += weight * (counts > 0) * ((hit * seen).sum(axis=1) / np.maximum(counts, 1) - t.prior)
+
+
+def test_queued_steps_fold_as_if_observed_one_by_one() -> None:
+    config = AdaptiveConfig(max_k=K, max_rows=8)
+    folded, stepwise = AcceptanceTable(config), AcceptanceTable(config)
+    rows = [folded.acquire(K, True) for _ in range(6)]
+    assert [stepwise.acquire(K, True) for _ in range(6)] == rows
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(20):
+        r = rng.choice(rows, size=int(rng.integers(1, 7)), replace=False)
+        drafts = rng.integers(0, K + 1, len(r))
+        steps.append((r, drafts, (rng.random(len(r)) * (drafts + 1)).astype(np.int64)))
+    for i, step in enumerate(steps):
+        folded.observe(*step)
+        if i == 11:
+            folded.flush()  # two folds, of 12 and of 8 steps
+    folded.flush()
+    _observe_stepwise(stepwise, steps)
+    for a, b in ((folded.p, stepwise.p), (folded.n, stepwise.n), (folded.prior, stepwise.prior)):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_a_reused_row_starts_over_and_its_old_steps_count_for_the_prior_only() -> None:
+    t = AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=2, initial_acceptance=0.6, prior_decay=0.5))
+    row = t.acquire(K, True)
+    t.observe(np.array([row]), np.array([2]), np.array([0]))  # the first holder: position 1 rejected
+    t.release(row)
+    assert t.acquire(K, True) == row  # reused before the fold: starts from the last fold's prior
+    t.observe(np.array([row]), np.array([2]), np.array([2]))  # the second holder: both accepted
+    t.flush()
+    d = t.config.decay
+    np.testing.assert_allclose(t.p[:2, row], 0.6 + d * (1.0 - 0.6))  # its own step only
+    assert t.prior[0] < 0.6 + 0.5 * (1.0 - 0.6)  # while the prior saw the rejection too
 
 
 def test_step_costs_measured_where_known_and_modelled_elsewhere() -> None:
