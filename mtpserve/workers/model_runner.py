@@ -23,7 +23,7 @@ from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.batch import build_metadata
 from mtpserve.workers.cuda_graphs import TargetGraphs
-from mtpserve.workers.device import to_device
+from mtpserve.workers.device import Staging, to_device
 from mtpserve.workers.drafter import Drafter, TargetRows
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.prefill_graphs import PrefillGraphs, finish_prefill
@@ -87,6 +87,7 @@ class ModelRunner:
         max_len = config.max_model_len or cfg.max_position
         graphs = config.cuda_graphs and device.type == "cuda"
         self.diffs: StateDiffs | None = None
+        self.staging = Staging(device)  # the per-step copies both ways, through reused pinned buffers
         self.uniform: UniformGraphs | None = None
         self.prefill: PrefillGraphs | None = None
         if remote is None and config.uniform_steps:
@@ -94,10 +95,11 @@ class ModelRunner:
             state = DeviceState(config.max_num_seqs, groups, max_blocks, config.block_size, self.vocab, device)
             self.diffs = StateDiffs(config.max_num_seqs, groups, max_blocks, config.block_size)
             step = UniformStep(model, self.kv, self.slots, state, config.chain_mode, config.draft_top_m, local_modules)
-            self.uniform = UniformGraphs(step, state, config.max_num_seqs, device, graphs, config.pad_uniform_steps)
+            self.uniform = UniformGraphs(step, state, self.staging, config.max_num_seqs, device, graphs,
+                                         config.pad_uniform_steps)
             if config.prefill_step_rows > 0:
                 prefill = PrefillStep(model, self.kv, self.slots, state, step, local_modules, config.chain_mode)
-                self.prefill = PrefillGraphs(prefill, state, config.max_num_seqs, config.prefill_step_rows,
+                self.prefill = PrefillGraphs(prefill, state, self.staging, config.max_num_seqs, config.prefill_step_rows,
                                              local_modules, device, graphs)
         # Without uniform steps (a drafter group holds the chain), graphs cover the target forward only.
         self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
@@ -317,13 +319,7 @@ class ModelRunner:
             top_n = max((r.params.logprobs or 0 for r in reqs), default=0)
             lp, ids, vals = logprobs_topn(raw, packed[:, 1:].reshape(-1), top_n)
             packed = torch.cat([packed.double()] + [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)], 1)
-        if packed.device.type != "cuda":
-            return packed, None
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
+        return self.staging.download(packed)
 
     def _penalised(self, raw: torch.Tensor, st, slots: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
         """Penalties at window position j see the drafts before j, as they would see accepted tokens."""

@@ -20,6 +20,7 @@ import torch
 
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.cuda_graphs import capture_graph, growing_buckets
+from mtpserve.workers.device import Staging
 from mtpserve.workers.prefill_step import PrefillInputs, PrefillShape, PrefillStep, tail_columns
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs, sampling_flags
 from mtpserve.workers.state import CachedRequest
@@ -40,9 +41,9 @@ class _Graph:
 
 
 class PrefillGraphs:
-    def __init__(self, step: PrefillStep, state: DeviceState, max_num_seqs: int, max_rows: int,
+    def __init__(self, step: PrefillStep, state: DeviceState, staging: Staging, max_num_seqs: int, max_rows: int,
                  num_modules: int, device: torch.device, use_graphs: bool) -> None:
-        self.step, self.state, self.device, self.num_modules = step, state, device, num_modules
+        self.step, self.state, self.staging, self.device, self.num_modules = step, state, staging, device, num_modules
         self.use_graphs = use_graphs and device.type == "cuda"
         self.pad = self.use_graphs  # tests pad on CPU too, to check that padded rows change nothing
         self.entries = max_num_seqs + 1  # R with padding: every request, plus the owner of the padding rows
@@ -71,7 +72,8 @@ class PrefillGraphs:
         shape = PrefillShape(rows, chain, sampling_flags([q.params for q in reqs], self.state.vocab))
         entries = self.entries if self.pad else len(reqs)
         head = self._head(reqs, lens, entries, shape)
-        packed, counts = diffs.pack(head, self.device)  # the step's one host-to-device copy
+        host, counts = diffs.pack(head)
+        packed = self.staging.upload(host)  # the step's one host-to-device copy
         self.state.apply(packed[len(head):], counts)
         if not self.use_graphs:
             out, raw = self.step(self._inputs(packed[: len(head)], entries, shape), shape)

@@ -25,7 +25,6 @@ from mtpserve.kernels import use_fused
 from mtpserve.kernels.window_metadata_ref import window_metadata_ref
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.workers.attention import AttentionMetadata
-from mtpserve.workers.device import to_device
 from mtpserve.workers.sampling import SamplingTensors, top_k_cap
 
 # Rows of `DeviceState.ints`.
@@ -78,17 +77,13 @@ class DeviceState:
 
     def apply(self, packed: torch.Tensor, counts: tuple[int, int, int, int]) -> None:
         """Scatter a packed diff (see StateDiffs.pack) into the state; counts are the section sizes."""
-        n_tab, n_cap, n_int, n_float = counts
-        tab_idx, tab_val, cap_idx, cap_val, int_idx, int_val, f_idx, f_val = packed.split(
-            [n_tab, n_tab, n_cap, n_cap, n_int, n_int, n_float, n_float])
-        if n_tab:
-            self.tables.view(-1)[tab_idx] = tab_val.to(torch.int32)
-        if n_cap:
-            self.capacity.view(-1)[cap_idx] = cap_val
-        if n_int:
-            self.ints.view(-1)[int_idx] = int_val
-        if n_float:
-            self.floats.view(-1)[f_idx] = f_val.view(torch.float64).float()
+        at = 0
+        for n, flat, cast in ((counts[0], self.tables, torch.int32), (counts[1], self.capacity, None),
+                              (counts[2], self.ints, None), (counts[3], self.floats, torch.float64)):
+            if n:  # most steps change nothing: no kernels at all
+                idx, val = packed[at : at + n], packed[at + n : at + 2 * n]
+                flat.view(-1)[idx] = val.view(cast).float() if cast is torch.float64 else val.to(flat.dtype)
+            at += 2 * n
 
 
 def window_rows(state: DeviceState, group: int, slots: torch.Tensor, first_pos: torch.Tensor, q: int,
@@ -151,8 +146,8 @@ class StateDiffs:
         self.int_field(SEQ_LEN, slot, len(token_ids))
         self.int_field(LAST_TOKEN, slot, token_ids[-1])
 
-    def pack(self, head: np.ndarray, device: torch.device) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
-        """-> (device buffer: `head` then the diff sections, section sizes); clears the diffs."""
+    def pack(self, head: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+        """-> (int64 buffer: `head` then the diff sections, section sizes); clears the diffs."""
         parts, counts = [head.astype(np.int64)], []
         for pairs, dtype in ((self.tab, np.int64), (self.cap, np.int64), (self.ints, np.int64), (self.floats, np.float64)):
             if not pairs:  # most steps change nothing: skip np.unique's fixed cost (a few us a section)
@@ -162,7 +157,7 @@ class StateDiffs:
             parts += [idx.astype(np.int64), val.view(np.int64) if dtype == np.float64 else val]
             counts.append(len(idx))
         self.tab, self.cap, self.ints, self.floats = [], [], [], []
-        return to_device(np.concatenate(parts), torch.int64, device), tuple(counts)
+        return (np.concatenate(parts) if len(parts) > 1 else parts[0]), tuple(counts)
 
 
 def _last_writes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """Runs uniform steps: one pinned host-to-device copy in, CUDA-graph replay (eager off CUDA), one result.
 
-Per step the host sends one int64 buffer: the batch's slots and drafts to verify (padded to the
+Per step the host sends one int64 buffer (through mtpserve/workers/device.py's Staging): the batch's slots and drafts to verify (padded to the
 bucket with the pad slot and 0 drafts), followed by the state diffs since the last step. The diffs are
 scattered into DeviceState, the slots and drafts are copied into the static inputs of the graph of
 (bucket, StepShape), and the graph replays the whole step (mtpserve/workers/uniform_step.py).
@@ -22,22 +22,22 @@ import numpy as np
 import torch
 
 from mtpserve.workers.cuda_graphs import batch_buckets, capture_graph
+from mtpserve.workers.device import Staging
 from mtpserve.workers.slot_state import DeviceState, StateDiffs
 from mtpserve.workers.uniform_step import StepShape, UniformStep
 
 
 @dataclass
 class _Graph:
-    slots: torch.Tensor  # [B] static input
-    num_drafts: torch.Tensor  # [B] static input
+    inputs: torch.Tensor  # [2, B] static input: slots, then drafts to verify
     graph: torch.cuda.CUDAGraph
     out: tuple[torch.Tensor, torch.Tensor]
 
 
 class UniformGraphs:
-    def __init__(self, step: UniformStep, state: DeviceState, max_num_seqs: int, device: torch.device,
-                 use_graphs: bool, pad_to_buckets: bool | None = None) -> None:
-        self.step, self.state, self.device = step, state, device
+    def __init__(self, step: UniformStep, state: DeviceState, staging: Staging, max_num_seqs: int,
+                 device: torch.device, use_graphs: bool, pad_to_buckets: bool | None = None) -> None:
+        self.step, self.state, self.staging, self.device = step, state, staging, device
         self.use_graphs = use_graphs and device.type == "cuda"
         self.pad = self.use_graphs if pad_to_buckets is None else pad_to_buckets
         self.buckets = batch_buckets(max_num_seqs)
@@ -56,14 +56,14 @@ class UniformGraphs:
         head = np.empty(2 * batch, dtype=np.int64)
         head[:batch], head[batch:] = self.state.pad_slot, 0
         head[:r], head[batch : batch + r] = slots, num_drafts
-        packed, counts = diffs.pack(head, self.device)  # the step's one host-to-device copy
+        host, counts = diffs.pack(head)
+        packed = self.staging.upload(host)  # the step's one host-to-device copy
         self.state.apply(packed[2 * batch :], counts)
         if not self.use_graphs:
             out, raw = self.step(packed[:batch], packed[batch : 2 * batch], shape)
         else:
             g = self.graphs.get((batch, shape)) or self._capture(batch, shape)
-            g.slots.copy_(packed[:batch])
-            g.num_drafts.copy_(packed[batch : 2 * batch])
+            g.inputs.view(-1).copy_(packed[: 2 * batch])
             g.graph.replay()
             out, raw = g.out
             self.replays += 1
@@ -79,8 +79,8 @@ class UniformGraphs:
     def _capture(self, batch: int, shape: StepShape) -> _Graph:
         if self.on_capture is not None:
             self.on_capture()
-        slots = torch.full((batch,), self.state.pad_slot, dtype=torch.int64, device=self.device)
-        num_drafts = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        graph, out = capture_graph(lambda: self.step(slots, num_drafts, shape), self.pool, self.device)
-        g = self.graphs[(batch, shape)] = _Graph(slots, num_drafts, graph, out)
+        inputs = torch.zeros(2, batch, dtype=torch.int64, device=self.device)
+        inputs[0] = self.state.pad_slot
+        graph, out = capture_graph(lambda: self.step(inputs[0], inputs[1], shape), self.pool, self.device)
+        g = self.graphs[(batch, shape)] = _Graph(inputs, graph, out)
         return g

@@ -97,8 +97,8 @@ def test_window_rows_drop_writes_past_the_limit_and_outside_owned_blocks() -> No
     state = DeviceState(num_slots=2, num_groups=1, max_blocks=4, block_size=4, vocab=8, device=torch.device("cpu"))
     diffs = StateDiffs(2, 1, 4, 4)
     diffs.table(0, 1, [7, 3], 0)  # slot 1 owns blocks 7 and 3: positions 0..7
-    packed, counts = diffs.pack(np.zeros(0, dtype=np.int64), state.device)
-    state.apply(packed, counts)
+    packed, counts = diffs.pack(np.zeros(0, dtype=np.int64))
+    state.apply(torch.from_numpy(packed), counts)
     slots = torch.tensor([1, state.pad_slot])
     meta, pos = window_rows(state, 0, slots, torch.tensor([5, 16]), 4, torch.tensor([3, 4]))
     assert pos.tolist() == [5, 6, 7, 8, 16, 17, 18, 19]
