@@ -61,9 +61,9 @@ class UniformChain:
             if step.offset == 0:
                 q = w + m
                 meta, pos = window_rows(self.state, 1 + m, slots, seq_len - m - 1, q, torch.where(used, q, 0))
-                hidden = prev if m == 0 else torch.cat((old_carry[:, m - 1 : m], prev[:, : q - 1]), 1)
-                g = self.mtp(m, seq[:, :q].reshape(-1), hidden.reshape(batch * q, -1), pos, meta, self.kv[m],
-                             self.embed).view(batch, q, -1)
+                # Hidden row j is module m - 1's row j - 1, and row 0 its carry (module 0: target row j).
+                g = self.mtp(m, seq[:, :q], prev, pos, meta, self.kv[m], self.embed,
+                             first_hidden=None if m == 0 else old_carry[:, m - 1]).view(batch, q, -1)
                 prev = self.mtp.next_hidden(m, g)
                 at = accepted + m  # the drafting row
                 g_at = g[rows, at]
@@ -74,7 +74,7 @@ class UniformChain:
                 meta, pos = window_rows(self.state, 1 + m, slots, seq_len + accepted - 1 + step.offset, 1, used.long())
                 g = self.mtp(m, drafts[j - 1], last, pos, meta, self.kv[m], self.embed)
                 last = self.mtp.next_hidden(m, g)
-            token, ids, probs = sampler(j, self.mtp.logits(m, g, self.head))
+            token, ids, probs = sampler(j, self.mtp.logits(m, g, self.head, fp32=sampler.needs_fp32))
             drafts.append(token)
             proposals.append((ids, probs))
             if j + 1 < len(steps) and steps[j + 1].offset == 0:  # the next module pass reads this draft
@@ -107,6 +107,8 @@ class DraftSampler:
         self.extra = None
         if flags.penalties:
             self.extra = torch.zeros(len(slots), chain.state.vocab, device=slots.device)
+        # A plain greedy draft is the argmax of the head's own output: upcasting it first changes no value.
+        self.needs_fp32 = not flags.all_greedy or flags.penalties
 
     def __call__(self, j: int, logits: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, None, None]:

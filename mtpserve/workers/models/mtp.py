@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtpserve.kernels import use_fused
 from mtpserve.kernels.linear_dispatch import DispatchedLinear
+from mtpserve.kernels.mtp_input_ref import mtp_input_ref
 from mtpserve.workers.attention import AttentionMetadata, LayerKV
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -50,21 +52,30 @@ class MTPStack(nn.Module):
         meta: AttentionMetadata,
         kv: LayerKV,
         embed: nn.Embedding,
+        first_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run module k over flat rows: token_ids [T] (t_{i+k+1}), prev_hidden [T, H] -> g^k [T, H]."""
+        """Run module k over rows -> g^k [T, H]: token_ids [T] (t_{i+k+1}) with prev_hidden [T, H], or a
+        window of Q rows per request, token_ids [B, Q] with prev_hidden [B, P, H] (and first_hidden [B, H]
+        shifted in front: mtpserve/kernels/mtp_input_ref.py). On CUDA the input is one kernel."""
         module = self.mtp[k]
-        emb = (module.embed_tokens or embed)(token_ids)
-        if self.cfg.mtp.mask_position0:
-            emb = emb.masked_fill((positions == 0)[:, None], 0.0)
-        e, h = module.enorm(emb), module.hnorm(prev_hidden)
-        x = module.eh_proj(torch.cat((h, e) if self.cfg.mtp.hidden_first else (e, h), dim=-1))
-        return module.block(x, positions, meta, kv)
+        if token_ids.dim() == 1:
+            token_ids, prev_hidden = token_ids[:, None], prev_hidden[:, None]
+        table = module.embed_tokens or embed
+        fused = use_fused(prev_hidden) and type(table) is nn.Embedding  # not a vocabulary-parallel lookup
+        build = mtp_input_ref
+        if fused:  # imported here: triton is imported only where a kernel runs
+            from mtpserve.kernels.mtp_input import mtp_input as build
+        x = build(token_ids, positions, table.weight if fused else table, prev_hidden, first_hidden,
+                  module.enorm.weight, module.hnorm.weight, module.enorm.eps, self.cfg.mtp.mask_position0,
+                  self.cfg.mtp.hidden_first)
+        return module.block(module.eh_proj(x), positions, meta, kv)
 
     def next_hidden(self, k: int, g: torch.Tensor) -> torch.Tensor:
         """What module k hands to module k+1 (or to its own next recursive step)."""
         return self.mtp[k].norm(g) if self.cfg.mtp.pass_normed else g
 
-    def logits(self, k: int, g: torch.Tensor, head: nn.Linear) -> torch.Tensor:
-        """g^k rows [n, H] -> fp32 logits [n, vocab] predicting t_{i+k+2}."""
+    def logits(self, k: int, g: torch.Tensor, head: nn.Linear, fp32: bool = True) -> torch.Tensor:
+        """g^k rows [n, H] -> logits [n, vocab] predicting t_{i+k+2}: fp32, or the head's dtype."""
         module = self.mtp[k]
-        return (module.head or head)(module.norm(g)).float()
+        out = (module.head or head)(module.norm(g))
+        return out.float() if fp32 else out
