@@ -63,11 +63,19 @@ class PhaseTimer:
                                   (engine, "_postprocess", "postprocess")):
             if hasattr(owner, attr):
                 setattr(owner, attr, self._timed(getattr(owner, attr), name))
+        adaptive = getattr(engine, "adaptive", None)
+        for owner, attr, name in ((engine.outputs, "process", "  outputs"), (sched, "update", "  scheduler update"),
+                                  (getattr(adaptive, "acceptance", None), "observe", "    acceptance queue"),
+                                  (getattr(adaptive, "acceptance", None), "flush", "    acceptance fold")):
+            if owner is not None and hasattr(owner, attr):
+                setattr(owner, attr, self._timed(getattr(owner, attr), name))
         runner = getattr(ex, "runner", None)  # in-process: the parts of a uniform step's launch and read
         for owner, attr, name in ((runner, "_launch_uniform", "  uniform launch"),
                                   (getattr(runner, "uniform", None), "run", "    pack+graph"),
                                   (runner, "_finish_uniform", "  uniform read"), (runner, "_run_general", "  general"),
-                                  (runner, "_run_prefill", "  prefill")):
+                                  (runner, "_run_prefill", "  prefill"),
+                                  (getattr(runner, "staging", None), "upload", "      upload"),
+                                  (getattr(runner, "staging", None), "download", "    download")):
             if owner is not None and hasattr(owner, attr):
                 setattr(owner, attr, self._timed(getattr(owner, attr), name))
 

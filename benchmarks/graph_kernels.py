@@ -5,16 +5,20 @@
 
 On small models a step's device time is mostly one or two microseconds per kernel, so the kernel count
 of a graph is what to cut. Prints, per greedy steady-state graph (window = 1 + k), the replay time, the
-kernels per replay and their summed device time; then which kernels the k = --diff-k graph has beyond
-the k = 0 one, at the first batch.
+kernels per replay and their summed device time, and the host time of one `replay()` call with the
+device idle and with the call queued behind earlier replays (a launch that blocks shows the second
+near the device time); then which kernels the k = --diff-k graph has beyond the k = 0 one, at the
+first batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -40,17 +44,39 @@ def kernels_of(replay, times: int = 5) -> tuple[collections.Counter, float]:
     return collections.Counter(e.name[:80] for e in events), sum(e.device_time for e in events) / times
 
 
+def launch_us(replay, times: int = 50) -> tuple[float, float]:
+    """Median host microseconds of one replay() call: (device idle before it, queued behind earlier ones)."""
+    idle, queued = [], []
+    for _ in range(times):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay()
+        idle.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    for _ in range(times):
+        t0 = time.perf_counter()
+        replay()
+        queued.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(idle) * 1e6, statistics.median(queued) * 1e6
+
+
 def report(uniform: UniformGraphs, batches: list[int], diff_k: int) -> None:
     for batch, k, seconds in sorted(time_start_graphs(uniform, replays=20)):
         if batch in batches:
             print(f"graph batch {batch} k {k}: {seconds * 1e6:.1f} us per replay")
     counts: dict[tuple[int, int], collections.Counter] = {}
-    for (batch, shape), g in sorted(uniform.graphs.items(), key=lambda x: (x[0][0], x[0][1].chain)):
-        if batch in batches and shape.flags.all_greedy and shape.window == 1 + shape.chain:
-            names, device_us = kernels_of(g.graph.replay)
-            counts[(batch, shape.chain)] = names
-            print(f"batch {batch} k {shape.chain}: {sum(names.values()) / 5:.0f} kernels per replay, "
-                  f"{device_us:.1f} us of kernel time per replay")
+    graphs = [(batch, shape.chain, g) for (batch, shape), g in sorted(uniform.graphs.items(),
+              key=lambda x: (x[0][0], x[0][1].chain))
+              if batch in batches and shape.flags.all_greedy and shape.window == 1 + shape.chain]
+    # Host launch times first: once the profiler has run, its hooks stay and make every launch slower.
+    launches = {(batch, k): launch_us(g.graph.replay) for batch, k, g in graphs}
+    for batch, k, g in graphs:
+        names, device_us = kernels_of(g.graph.replay)
+        counts[(batch, k)] = names
+        idle_us, queued_us = launches[(batch, k)]
+        print(f"batch {batch} k {k}: {sum(names.values()) / 5:.0f} kernels per replay, {device_us:.1f} us of "
+              f"kernel time per replay; host per replay() {idle_us:.1f} us idle, {queued_us:.1f} us queued")
     first = batches[0]
     if (first, diff_k) in counts and (first, 0) in counts:
         print(f"\nbatch {first}: kernels per replay that k = {diff_k} has beyond k = 0")
