@@ -50,28 +50,31 @@ class UniformChain:
         batch, w, k = len(slots), shape.window, shape.chain
         steps = chain_steps(k, self.num_modules, self.mode)
         sampler = DraftSampler(self, slots, seq_len + accepted + 1, samp, shape.flags)
-        num_spec = self.state.num_spec[slots]
+        js = torch.arange(k, device=slots.device)[:, None]  # [k, 1]: chain step j (window pass m = j)
+        used = self.state.num_spec[slots] > js  # [k, B]: whether a request's chain runs step j
+        limit = used * (w + js)  # [k, B]: rows step j may write (all q = w + m of a window pass; >= 1 past it)
+        first = seq_len - 1 - js  # [k, B]: window pass m starts at N - m - 1
+        at = accepted + js  # [k, B]: window pass m's drafting row, a + m
         seq = torch.cat((emitted, emitted.new_zeros(batch, k)), dim=1)  # [B, w + k]: row j holds t_{N+j}
-        draft_at = accepted[:, None] + 1 + torch.arange(k, device=slots.device)  # [B, k]: draft j's row in seq
+        draft_at = (at + 1).T  # [B, k]: draft j's row in seq
         old_carry = self.buffers.carry[slots]  # [B, modules, H]
         rows = torch.arange(batch, device=slots.device)
         drafts, proposals, carry, prev, last = [], [], [], target_rows, None
         for j, step in enumerate(steps):
-            m, used = step.module, num_spec > j
+            m = step.module
             if step.offset == 0:
                 q = w + m
-                meta, pos = window_rows(self.state, 1 + m, slots, seq_len - m - 1, q, torch.where(used, q, 0))
+                meta, pos = window_rows(self.state, 1 + m, slots, first[m], q, limit[j])
                 # Hidden row j is module m - 1's row j - 1, and row 0 its carry (module 0: target row j).
                 g = self.mtp(m, seq[:, :q], prev, pos, meta, self.kv[m], self.embed,
                              first_hidden=None if m == 0 else old_carry[:, m - 1]).view(batch, q, -1)
                 prev = self.mtp.next_hidden(m, g)
-                at = accepted + m  # the drafting row
-                g_at = g[rows, at]
-                last = g_at if prev is g else prev[rows, at]
-                carry.append((m, last if m == 0 else prev[rows, accepted], used))
+                g_at = g[rows, at[m]]
+                last = g_at if prev is g else prev[rows, at[m]]
+                carry.append((m, last if m == 0 else prev[rows, accepted], used[j]))
                 g = g_at
             else:
-                meta, pos = window_rows(self.state, 1 + m, slots, seq_len + accepted - 1 + step.offset, 1, used.long())
+                meta, pos = window_rows(self.state, 1 + m, slots, seq_len + accepted - 1 + step.offset, 1, limit[j])
                 g = self.mtp(m, drafts[j - 1], last, pos, meta, self.kv[m], self.embed)
                 last = self.mtp.next_hidden(m, g)
             token, ids, probs = sampler(j, self.mtp.logits(m, g, self.head, fp32=sampler.needs_fp32))

@@ -43,14 +43,16 @@ class UniformStep:
 
     def __call__(self, slots: torch.Tensor, num_drafts: torch.Tensor, shape: StepShape
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots, num_drafts [B] -> (packed [B, 1 + window]: accepted count then tokens; raw logits [B*w, V])."""
+        """slots, num_drafts [B] -> (packed [B, 1 + window]: accepted count then tokens; raw logits [B*w, V],
+        fp32 unless the batch is plain greedy)."""
         st, w = self.state, shape.window
         st.reset_pad()
         seq_len = st.seq_len[slots]  # [B] verified tokens before this step
         ids = torch.cat((st.last_token[slots][:, None], self.buffers.draft_tokens[slots, : w - 1]), dim=1)
         meta, pos = window_rows(st, 0, slots, seq_len - 1, w, num_drafts + 1)  # rows past the drafts write nothing
         hidden = self.target(ids.reshape(-1), pos, meta, self.kv.target)  # [B*w, H]
-        raw = self.target.logits(hidden)  # [B*w, V] fp32
+        # [B*w, V]: a plain greedy batch verifies by argmax, which the upcast would not change (logprobs upcast)
+        raw = self.target.logits(hidden, fp32=not shape.flags.all_greedy or shape.flags.penalties)
         samp = st.sampling(slots, shape.flags)
         tokens, accepted = self.verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
         self._commit(slots, seq_len, accepted, tokens, shape.flags)

@@ -34,6 +34,7 @@ class TargetModel(nn.Module):
             x, delta = layer.forward_residual(x, delta, positions, meta, layer_kv)
         return x if delta is None else x + delta
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden rows [n, hidden] -> fp32 logits [n, vocab]."""
-        return self.lm_head(self.norm(hidden)).float()
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Pre-norm hidden rows [n, hidden] -> logits [n, vocab]: fp32, or the head's dtype."""
+        out = self.lm_head(self.norm(hidden))
+        return out.float() if fp32 else out
