@@ -49,6 +49,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
@@ -227,8 +229,10 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
         run = workloads.drive(engine, jobs, c, prefix)
         if before is not None and any(j.params.num_speculative_tokens == AUTO for j in jobs):
             steps = adaptive.chosen - before[0]
+            costs = adaptive.costs.costs(c) / adaptive.costs.costs(c)[0]
             print(f"  auto {prefix}: steps per chosen k {dict(enumerate(steps.tolist()))}, "
-                  f"requests caught up {runner.num_catch_ups - before[1]}")
+                  f"requests caught up {runner.num_catch_ups - before[1]}; step cost / k=0 at the end "
+                  f"{np.round(costs, 2).tolist()}, acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
         return run
 
     return drive, model.name, engine.shutdown, engine.model_config.vocab_size
