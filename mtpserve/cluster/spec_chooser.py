@@ -6,7 +6,7 @@ Three pieces, all numpy over the batch (no per-request Python work beyond gather
   position (p_j: draft j is accepted given drafts 0..j-1 were), decayed so that a change of topic
   shows within a few steps; a new row starts from the engine-wide prior, itself a slower average of
   every observation.
-* `StepCosts`: seconds per decode step per (batch bucket, k), exponentially averaged from timed steps
+* `StepCosts`: seconds per decode step per (batch bucket, k), the median of recent timed steps
   (seeded by timing the captured graphs at start where the runner can); a k not yet measured in a
   bucket is estimated from that bucket's measured k's with the slope fitted over all buckets.
 * `choose_k`: the step's k maximising expected emitted tokens per second of the whole batch, where an
@@ -36,7 +36,7 @@ class AdaptiveConfig:
     # observations (a request's own count saturates at 1 / decay): a short run of rejections, common within
     # one request, must not send a whole step to k = 0, where nothing is observed until the next choice.
     prior_strength: float = 5.0
-    cost_decay: float = 0.1  # weight of one timed step in its (bucket, k) average
+    cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     min_dwell: int = 16  # steps a choice holds before the next may differ (noisy estimates must not flap)
@@ -181,7 +181,13 @@ class AcceptanceTable:
 
 
 class StepCosts:
-    """Decode-step seconds per (batch bucket, k): averages of timed steps, estimated where not measured.
+    """Decode-step seconds per (batch bucket, k): medians of recent timed steps, estimated where not measured.
+
+    A median, not an average: laps are stretched now and then (a GC pause, the OS, a capture) and a few
+    end early, and on the H100's host the averaged table was far off (at c = 1, k = 1 costing 0.68 of
+    k = 0, k = 4 2.3x where the fixed-k runs gave 1.4x): an average clipped to 1.5x of itself moves back
+    from one bad first sample by a few percent a step, while the chooser samples a k only while it runs
+    it. The lower median of the last `cost_window` samples ignores any minority of outliers at once.
 
     Start-up seeds (a captured graph's replay: device time only) are kept apart from measured steps
     (device and host): where a bucket has both at some k, its seeds are moved by their mean difference,
@@ -192,9 +198,6 @@ class StepCosts:
     """
 
     REFIT = 32
-    # One 10x lap would otherwise raise its k's average by 90 % at cost_decay 0.1 and send the chooser away
-    # from that k for a whole dwell (and a catch-up to come back).
-    OUTLIER = 1.5
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
@@ -202,6 +205,7 @@ class StepCosts:
         self.seconds = np.full((len(self.buckets), config.max_k + 1), np.nan)  # measured
         self.seeds = np.full(self.seconds.shape, np.nan)  # start-up timings
         self.samples = np.zeros(self.seconds.shape, dtype=np.int64)
+        self.recent = np.full(self.seconds.shape + (config.cost_window,), np.nan)  # the last samples, a ring
         self._count = 0
         self._slope = config.per_draft_cost
         self._table = self._estimate()
@@ -214,12 +218,12 @@ class StepCosts:
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         """A timed decode step of `batch` requests whose chain ran k drafts."""
-        b, a = self.bucket(batch), self.config.cost_decay
-        old, first = self.seconds[b, k], self.samples[b, k] == 0
-        if not first:  # a lap stretched by a GC pause or the OS counts as at most OUTLIER x the average
-            seconds = min(max(seconds, old / self.OUTLIER), old * self.OUTLIER)
-        self.seconds[b, k] = seconds if first else (1.0 - a) * old + a * seconds
+        b = self.bucket(batch)
+        first = self.samples[b, k] == 0
+        self.recent[b, k, self.samples[b, k] % self.config.cost_window] = seconds
         self.samples[b, k] += 1
+        if first:
+            self.seconds[b, k] = seconds  # marks the cell measured; its median waits for `costs`
         self._count += 1
         self._refit |= bool(first) or self._count % self.REFIT == 0
         self._stale[b] = True
@@ -238,18 +242,27 @@ class StepCosts:
         """Relative extra cost per draft (b / a of cost = a + b k), the median over the buckets where two or
         more k are known; the configured prior before that."""
         a, b, n = _line_fit(self._known(self.seconds, self.seeds))
-        rel = (b / a)[(n >= 2) & (a > 0)]
+        rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
         return float(np.clip(np.median(rel), 0.0, 10.0)) if rel.size else self.config.per_draft_cost
 
     def costs(self, batch: int) -> np.ndarray:
         """[K + 1] cost of a step at each k for this batch size (only the ratios matter to choose_k)."""
         b = self.bucket(batch)
         if self._refit:
+            self._update_medians(slice(None))
             self._slope, self._table, self._refit = self.slope(), self._estimate(), False
             self._stale[:] = False
         elif self._stale[b]:
+            self._update_medians(slice(b, b + 1))
             self._table[b], self._stale[b] = self._estimate(b)[0], False
         return self._table[b]
+
+    def _update_medians(self, rows: slice) -> None:
+        """seconds[rows] = the lower median of each measured cell's recent samples (NaN sorts last)."""
+        n = np.minimum(self.samples[rows], self.config.cost_window)  # [r, K + 1]
+        ordered = np.sort(self.recent[rows], axis=-1)
+        median = np.take_along_axis(ordered, (np.maximum(n, 1) - 1)[..., None] // 2, axis=-1)[..., 0]
+        self.seconds[rows] = np.where(n > 0, median, np.nan)
 
     @staticmethod
     def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
