@@ -9,7 +9,7 @@ It drives mtpserve.cluster.spec_chooser.AdaptiveSpec directly, as the scheduler 
 choose for the running requests' rows (Scheduler._choose_k gathers them from the Request objects only
 when the running set changed: "gather"); after the step observe (AcceptanceTable.observe) and the
 cost update (StepCosts.observe). "observe" is per step with the fold the chooser makes once per dwell
-(AcceptanceTable.flush every 16 queued steps) spread over the steps it covers.
+(AcceptanceTable.flush every 8 queued steps, min_dwell) spread over the steps it covers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from common import Table  # noqa: E402
 from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec  # noqa: E402
 
 CPU = torch.device("cpu")
+DWELL = AdaptiveConfig.min_dwell
 
 
 class _Req:  # the one Request field the scheduler reads per running request
@@ -42,8 +43,8 @@ def _us(fn, steps: int) -> tuple[float, float]:
 
 
 def _observe_dwell(spec: AdaptiveSpec, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
-    """A dwell's 16 steps of observations, then their fold (as the chooser makes it)."""
-    for _ in range(16):
+    """A dwell's steps of observations, then their fold (as the chooser makes it)."""
+    for _ in range(DWELL):
         spec.acceptance.observe(rows, drafts, accepted)
     spec.acceptance.flush()
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cost p50", "cost p99"])
     rng = np.random.default_rng(0)
     for n in common.parse_ints(args.requests):
-        # min_dwell 0: every call makes the full choice (the engine makes it once per 16 steps).
+        # min_dwell 0: every call makes the full choice (the engine makes it once per DWELL steps).
         spec = AdaptiveSpec(AdaptiveConfig(max_k=args.max_k, max_rows=max(n, 1), min_dwell=0))
         running = [_Req(spec.admit(args.max_k, i % 5 != 0)) for i in range(n)]  # a fifth with a fixed k
         drafts = np.full(n, args.max_k)
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = gather()
         c = _us(lambda: spec.choose(rows), args.steps)
         g = _us(gather, args.steps)
-        o = _us(lambda: _observe_dwell(spec, rows, drafts, accepted), args.steps // 16)
-        o = (o[0] / 16, o[1] / 16)
+        o = _us(lambda: _observe_dwell(spec, rows, drafts, accepted), args.steps // DWELL)
+        o = (o[0] / DWELL, o[1] / DWELL)
         k = _us(lambda: spec.costs.observe(n, 2, 0.01), args.steps)  # the estimate itself waits for choose
         table.add(str(n), *c, *g, *o, *k)
     common.report(args, "chooser_overhead", CPU, [table],

@@ -284,11 +284,10 @@ def _one_at_a_time(strength: float, seed: int) -> float:
 def test_one_request_at_a_time_keeps_its_k_through_runs_of_rejections() -> None:
     """At concurrency 1 one request's own estimate swings with every run of rejections (three at 0.2 per
     observation halve it). Used alone it sent the step to low k, and a k that skips positions never sees
-    them again (seed 7 stayed at k = 1: 0.84 of the best); shrunk toward the prior it holds."""
+    them again (seed 7 stayed at k = 1: 0.84 of the best); shrunk toward the prior it holds. (Since choices
+    are paced every min_dwell steps, the unshrunk estimate holds in this simulation too, 0.99 of the best.)"""
     shrunk = [_one_at_a_time(AdaptiveConfig.prior_strength, seed) for seed in range(5, 9)]
-    alone = [_one_at_a_time(0.0, seed) for seed in range(5, 9)]
     assert min(shrunk) >= 0.98, shrunk
-    assert min(alone) < 0.9, alone
 
 
 def test_outlying_laps_move_no_cost_and_a_bad_first_one_is_forgotten_at_once() -> None:
@@ -304,3 +303,17 @@ def test_outlying_laps_move_no_cost_and_a_bad_first_one_is_forgotten_at_once() -
     for _ in range(2 * costs.config.cost_window):  # only the recent window counts: the cost moves with the host
         costs.observe(1, 4, 2.0)
     assert costs.costs(1)[4] == 2.0
+
+def test_full_choices_are_paced_by_the_dwell_even_when_k_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full choice (fold, cost table, argmax) costs host time; made every step once k had held for a dwell,
+    it doubled auto's step at c = 1 on the H100."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8))
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.ones((K, 4)))  # always accepted: k stays K
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1.0 + 0.1 * k)  # every k timed: no exploration
+    folds = []
+    fold = AcceptanceTable.fold
+    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
+    assert {spec.choose(rows) for _ in range(64)} == {K}
+    assert len(folds) == 64 // 8
