@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded default model)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--ks", default="0,3")
+    p.add_argument("--ks", default="0,3", help="comma-separated k's, 'auto' among them for adaptive speculation")
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--concurrency", default="32")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -56,6 +57,7 @@ class PhaseTimer:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         ex, sched = engine.executor, engine.scheduler
         for owner, attr, name in ((sched, "schedule", "schedule"), (sched, "schedule_overlapped", "schedule"),
                                   (ex, "execute", "execute (sync)"), (ex, "submit", "submit (launch)"),
@@ -86,16 +88,18 @@ class PhaseTimer:
                 return fn(*a, **kw)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
         return timed
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.calls.clear()
 
 
-def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int, c: int, args: argparse.Namespace,
+def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, args: argparse.Namespace,
                  prompts: list[str]) -> None:
     n = max(8, args.requests_per_slot * c)
-    jobs = [workloads.Job(p, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
                                             num_speculative_tokens=k)) for p in prompts[:n]]
     workloads.drive(engine, jobs, c, f"warm-k{k}c{c}")
     runner = getattr(engine.executor, "runner", None)
@@ -115,7 +119,8 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int, c: int, args: arg
     phases = ", ".join(f"{name} {sec / steps * 1e3:.3f}" for name, sec in timer.seconds.items())
     print(f"\n== k={k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, {steps} steps, "
           f"{wall / steps * 1e3:.3f} ms/step ({phases} ms/step), uniform {runs} (replayed {replays}), "
-          f"overlapped {engine.num_overlapped_steps - overlapped0}")
+          f"overlapped {engine.num_overlapped_steps - overlapped0}, general steps "
+          f"{timer.calls.get('  general', 0)}, prefill steps {timer.calls.get('  prefill', 0)}")
     if py_prof is not None:
         pstats.Stats(py_prof).sort_stats("cumulative").print_stats(args.top)
     if not args.torch_profile:
@@ -130,7 +135,8 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int, c: int, args: arg
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device)
-    ks, concurrency = common.parse_ints(args.ks), common.parse_ints(args.concurrency)
+    ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]  # "auto": adaptive speculation
+    concurrency = common.parse_ints(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="mtpserve-engine-profile-") as tmp:
         model = workloads.resolve_model(args.model, False, Path(tmp))
         engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype,
