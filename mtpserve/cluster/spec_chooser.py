@@ -254,7 +254,10 @@ class StepCosts:
             self._stale[:] = False
         elif self._stale[b]:
             self._update_medians(slice(b, b + 1))
-            self._table[b], self._stale[b] = self._estimate(b)[0], False
+            measured = self.seconds[b]
+            # Every k measured (the usual case once serving): the row is its medians, no model to evaluate.
+            self._table[b] = measured if not np.isnan(measured).any() else self._estimate(b)[0]
+            self._stale[b] = False
         return self._table[b]
 
     def _update_medians(self, rows: slice) -> None:
@@ -262,7 +265,7 @@ class StepCosts:
         n = np.minimum(self.samples[rows], self.config.cost_window)  # [r, K + 1]
         ordered = np.sort(self.recent[rows], axis=-1)
         median = np.take_along_axis(ordered, (np.maximum(n, 1) - 1)[..., None] // 2, axis=-1)[..., 0]
-        self.seconds[rows] = np.where(n > 0, median, np.nan)
+        self.seconds[rows] = np.where(n > 0, median, np.nan)  # NaN where never measured
 
     @staticmethod
     def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
