@@ -15,6 +15,7 @@ Three pieces, all numpy over the batch (no per-request Python work beyond gather
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,10 @@ class AdaptiveConfig:
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
+    max_dwell: int = 64
+    # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
+    # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
+    choice_share: float = 0.02
 
 
 def expected_tokens(p: np.ndarray) -> np.ndarray:
@@ -311,6 +316,7 @@ class AdaptiveSpec:
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
+        self.dwell = config.min_dwell  # steps the last choice holds
         self.active = False  # whether the last choice had an adaptive request to choose for
 
     def admit(self, cap: int, adaptive: bool) -> int:
@@ -327,16 +333,23 @@ class AdaptiveSpec:
         self.active = rows.size > 0 and bool(t.adaptive.take(rows).any())
         if not self.active:
             return self.k
-        if self._held >= self.config.min_dwell:
+        if self._held >= self.dwell:
+            t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)
-            k = choose_k(gains, base, floor, self.costs.costs(rows.size), self.k, self.config.hysteresis)
-            k = self._explore(k, rows.size)
-            # The dwell paces every full choice, kept k or not: one costs ~300 us of host time on a 2-core
-            # CPU at c = 1 (fold, cost table, choice), which once ran every step while k held, doubling
-            # auto's step on the H100.
+            costs = self.costs.costs(rows.size)
+            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
+            # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
+            # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0
+            self.dwell = self._dwell(time.perf_counter() - t0, float(costs[k]))
         self.chosen[self.k] += 1
         return self.k
+
+    def _dwell(self, choice_seconds: float, step_seconds: float) -> int:
+        """Steps until the next choice: min_dwell, or more where a choice would cost more than choice_share of
+        the steps it covers (step_seconds is the cost table's: a unitless prior before any step is timed)."""
+        c = self.config
+        return int(np.clip(np.ceil(choice_seconds / (c.choice_share * step_seconds)), c.min_dwell, c.max_dwell))
 
     def _explore(self, k: int, batch: int) -> int:
         """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.

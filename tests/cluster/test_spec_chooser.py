@@ -317,3 +317,16 @@ def test_full_choices_are_paced_by_the_dwell_even_when_k_holds(monkeypatch: pyte
     monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
     assert {spec.choose(rows) for _ in range(64)} == {K}
     assert len(folds) == 64 // 8
+
+
+def test_the_dwell_grows_until_choices_cost_a_small_share_of_the_steps() -> None:
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8, max_dwell=64, choice_share=0.02))
+    assert spec._dwell(0.4e-3, 0.5e-3) == 40  # a 0.4 ms choice over 0.5 ms steps (the H100's host at c = 1)
+    assert spec._dwell(0.05e-3, 0.5e-3) == 8 and spec._dwell(1.0, 1e-3) == 64
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.ones((K, 4)))
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1e-7 * (1 + k))  # steps far cheaper than any choice: the longest dwell
+    for _ in range(200):
+        spec.choose(rows)
+    assert spec.dwell == 64
