@@ -188,3 +188,26 @@ def test_step_costs_are_learned_only_from_whole_step_periods(partly_trained: Pat
         llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
     assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
     assert set(samples) == {1.0}, sorted(set(samples))
+
+
+def test_a_lap_that_launched_a_prompt_is_not_a_step_cost(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed loop refilling its slots admits requests mid-run, and the in-process runner runs a step with
+    prompt rows to its end when it is launched: a lap that contained such a launch would read a decode
+    step plus a prefill. Admissions wait for a synchronous launch, which ends the pipeline, so no such lap
+    is sampled. The fake clock moves by one unit per decode launch and by five per launch that admits."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
+    llm = LLM(str(partly_trained), block_size=4, async_scheduling=True, max_num_seqs=2)
+    submit = llm.engine.executor.submit
+
+    def launch(plan):
+        clock.now += 5.0 if plan.new_requests else 1.0
+        return submit(plan)
+
+    monkeypatch.setattr(llm.engine.executor, "submit", launch)
+    samples: list[float] = []
+    observe = StepCosts.observe
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, s: (samples.append(s), observe(self, batch, k, s)))
+    llm.generate(prompts_of(64, [5, 9, 14, 20, 3, 11, 7], seed=12), GREEDY)  # 7 requests through 2 slots
+    assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
+    assert set(samples) == {1.0}, sorted(set(samples))
