@@ -67,6 +67,7 @@ class LLMEngine:
             self.blocks, self.adaptive,
         )
         self._step_clock = _StepClock()
+        self._captures_seen = 0  # the executor's graph captures when the last step cost was learned
         for batch, k, seconds in getattr(self.executor, "start_step_costs", ()) if self.adaptive else ():
             if k <= r.max_auto_spec:
                 self.adaptive.costs.seed(batch, k, seconds)
@@ -206,6 +207,10 @@ class LLMEngine:
         after k rose) costs more than its k alone, and must not pollute the decode table."""
         k = max(plan.num_spec, default=0)
         seconds = self._step_clock.lap((k, stats.num_prompt_tokens == 0 and not plan.new_requests))
+        # A graph captured inside the lap (a shape first seen, e.g. the window after k fell) took it over.
+        captures, self._captures_seen = self._captures_seen, getattr(self.executor, "num_captures", 0)
+        if captures != self._captures_seen:
+            seconds = None
         if self.adaptive is None or not plan.req_ids:
             return
         stats.acceptance_estimate = self.adaptive.estimates()

@@ -25,5 +25,10 @@ class LocalExecutor:
     def wait(self, handle: PendingStep | StepResult) -> StepResult:
         return self.runner.wait(handle)
 
+    @property
+    def num_captures(self) -> int:
+        """CUDA-graph captures so far (the engine's step costs leave out a step whose time held one)."""
+        return self.runner.num_captures
+
     def shutdown(self) -> None:
         pass

@@ -104,6 +104,11 @@ class ModelRunner:
         # Without uniform steps (a drafter group holds the chain), graphs cover the target forward only.
         self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
                                    device) if graphs and self.uniform is None else None
+        self.num_captures = 0  # CUDA-graph captures so far (in the middle of serving: a shape seen first)
+        self._capture_listeners: list[Callable[[], None]] = []
+        for graphs in (self.uniform, self.prefill, self.graphs):
+            if graphs is not None:
+                graphs.on_capture = self._capturing
         if self.uniform is not None and self.uniform.use_graphs:
             self.uniform.capture_all([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
                                       for k in config.capture_at_start for greedy in (True, False)])
@@ -113,9 +118,12 @@ class ModelRunner:
     def on_capture(self, listener: Callable[[], None]) -> None:
         """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and
         a worker tells its driver so (the step timeout must not take it for a hang)."""
-        for graphs in (self.uniform, self.prefill, self.graphs):
-            if graphs is not None:
-                graphs.on_capture = listener
+        self._capture_listeners.append(listener)
+
+    def _capturing(self) -> None:
+        self.num_captures += 1  # the engine leaves a step whose time held a capture out of its step costs
+        for listener in self._capture_listeners:
+            listener()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
