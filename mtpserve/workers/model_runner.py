@@ -106,9 +106,9 @@ class ModelRunner:
                                    device) if graphs and self.uniform is None else None
         self.num_captures = 0  # CUDA-graph captures so far (in the middle of serving: a shape seen first)
         self._capture_listeners: list[Callable[[], None]] = []
-        for graphs in (self.uniform, self.prefill, self.graphs):
-            if graphs is not None:
-                graphs.on_capture = self._capturing
+        for captured in (self.uniform, self.prefill, self.graphs):
+            if captured is not None:
+                captured.on_capture = self._capturing
         if self.uniform is not None and self.uniform.use_graphs:
             self.uniform.capture_all([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
                                       for k in config.capture_at_start for greedy in (True, False)])

@@ -78,11 +78,11 @@ class DeviceState:
     def apply(self, packed: torch.Tensor, counts: tuple[int, int, int, int]) -> None:
         """Scatter a packed diff (see StateDiffs.pack) into the state; counts are the section sizes."""
         at = 0
-        for n, flat, cast in ((counts[0], self.tables, torch.int32), (counts[1], self.capacity, None),
-                              (counts[2], self.ints, None), (counts[3], self.floats, torch.float64)):
+        for n, flat, float_bits in ((counts[0], self.tables, False), (counts[1], self.capacity, False),
+                                    (counts[2], self.ints, False), (counts[3], self.floats, True)):
             if n:  # most steps change nothing: no kernels at all
                 idx, val = packed[at : at + n], packed[at + n : at + 2 * n]
-                flat.view(-1)[idx] = val.view(cast).float() if cast is torch.float64 else val.to(flat.dtype)
+                flat.view(-1)[idx] = val.view(torch.float64).float() if float_bits else val.to(flat.dtype)
             at += 2 * n
 
 

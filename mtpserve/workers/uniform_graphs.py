@@ -1,7 +1,8 @@
 """Runs uniform steps: one pinned host-to-device copy in, CUDA-graph replay (eager off CUDA), one result.
 
-Per step the host sends one int64 buffer (through mtpserve/workers/device.py's Staging): the batch's slots and drafts to verify (padded to the
-bucket with the pad slot and 0 drafts), followed by the state diffs since the last step. The diffs are
+Per step the host sends one int64 buffer (through the Staging of mtpserve/workers/device.py): the
+batch's slots and drafts to verify (padded to the bucket with the pad slot and 0 drafts), followed by
+the state diffs since the last step. The diffs are
 scattered into DeviceState, the slots and drafts are copied into the static inputs of the graph of
 (bucket, StepShape), and the graph replays the whole step (mtpserve/workers/uniform_step.py).
 
