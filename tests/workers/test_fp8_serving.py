@@ -212,6 +212,9 @@ def _tp_rank(rank: int, world: int, ckpt: str, init: str, out: str) -> None:
         logits = logits_of(loader.model)  # on every rank: the forward's all-reduces need both
         if rank == 0:
             torch.save({"logits": logits, "kinds": kinds}, out)
+        # Both ranks reach teardown together: a rank that destroys its gloo pairs while the other is still
+        # in them can abort ("terminate called without an active exception", seen once in CI under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
