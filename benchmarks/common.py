@@ -76,6 +76,11 @@ def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def parse_ks(text: str) -> list[int | str]:
+    """--ks: comma-separated draft counts, "auto" among them for adaptive speculation."""
+    return [part.strip() if part.strip() == "auto" else int(part) for part in text.split(",") if part.strip()]
+
+
 # --- timing ------------------------------------------------------------------------------------
 
 

@@ -135,7 +135,7 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, arg
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device)
-    ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]  # "auto": adaptive speculation
+    ks = common.parse_ks(args.ks)
     concurrency = common.parse_ints(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="mtpserve-engine-profile-") as tmp:
         model = workloads.resolve_model(args.model, False, Path(tmp))

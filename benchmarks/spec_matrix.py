@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device, args.tiny)
-    ks, concurrency = _parse_ks(args.ks), common.parse_ints(args.concurrency)
+    ks, concurrency = common.parse_ks(args.ks), common.parse_ints(args.concurrency)
     fixed = [k for k in ks if k != AUTO]
     max_k = max(fixed, default=0)
     cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
@@ -177,10 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 Driver = Callable[[list[workloads.Job], int, str], workloads.Run]
 AUTO = "auto"
 Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
-
-
-def _parse_ks(text: str) -> list[int | str]:
-    return [AUTO if part.strip() == AUTO else int(part) for part in text.split(",") if part.strip()]
 
 
 def _prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] | list[list[int]]:

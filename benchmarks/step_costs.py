@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
     device = common.pick_device(args.device)
-    ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]
+    ks = common.parse_ks(args.ks)
     concurrency = common.parse_ints(args.concurrency)
     laps = LapRecorder()
     with tempfile.TemporaryDirectory(prefix="mtpserve-step-costs-") as tmp:

@@ -13,6 +13,7 @@ import itertools
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import torch
 
 import mtpserve.cluster.engine as engine_module
 from mtpserve import LLM, SamplingParams
+from mtpserve.boundary.messages import StepPlan
 from mtpserve.cluster.scheduler import Scheduler
 from mtpserve.cluster.spec_chooser import AdaptiveSpec, StepCosts
 from tests.cluster.test_lossless_sampling import SAMPLES, SETTINGS, VOCAB, PROMPT, _exact_joint, small_vocab_ckpt  # noqa: F401
@@ -165,25 +167,34 @@ def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
     assert not general, "every catch-up was an aligned chunk without drafts"
 
 
-def test_step_costs_are_learned_only_from_whole_step_periods(partly_trained: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """With async scheduling a step launched synchronously does its work inside the lap before it, and the
-    lap after it can be a few microseconds: such laps must not become step costs (on an H100 one made k = 0
-    look 50x cheaper than it is, and the chooser ran 16 steps without drafts). The engine's clock here moves
-    only when a step is launched, by one unit: a lap that is one whole step's period reads exactly 1."""
+def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Callable[[StepPlan, int], float],
+                       **engine_args) -> tuple[LLM, list[float]]:
+    """An async engine whose clock moves only when a step is launched, by cost(plan, launches so far), and
+    the step-cost samples it learns (appended as they come)."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
-    llm = LLM(str(partly_trained), block_size=4, async_scheduling=True)
-    submit = llm.engine.executor.submit
+    llm = LLM(str(model), block_size=4, async_scheduling=True, **engine_args)
+    submit, launches = llm.engine.executor.submit, [0]
 
-    def launch(plan):  # a step's work is one unit of the fake clock, whenever and however it is launched
-        clock.now += 1.0
+    def launch(plan: StepPlan):
+        launches[0] += 1
+        clock.now += cost(plan, launches[0])
         return submit(plan)
 
     monkeypatch.setattr(llm.engine.executor, "submit", launch)
     samples: list[float] = []
     observe = StepCosts.observe
     monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, s: (samples.append(s), observe(self, batch, k, s)))
+    return llm, samples
+
+
+def test_step_costs_are_learned_only_from_whole_step_periods(partly_trained: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async scheduling a step launched synchronously does its work inside the lap before it, and the
+    lap after it can be a few microseconds: such laps must not become step costs (on an H100 one made k = 0
+    look 50x cheaper than it is, and the chooser ran 16 steps without drafts). The engine's clock here moves
+    only when a step is launched, by one unit: a lap that is one whole step's period reads exactly 1."""
+    llm, samples = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 1.0)
     for _ in range(3):  # closed loops that start and drain, so that sync and overlapped launches alternate
         llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
     assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
@@ -195,19 +206,8 @@ def test_a_lap_that_launched_a_prompt_is_not_a_step_cost(partly_trained: Path, m
     prompt rows to its end when it is launched: a lap that contained such a launch would read a decode
     step plus a prefill. Admissions wait for a synchronous launch, which ends the pipeline, so no such lap
     is sampled. The fake clock moves by one unit per decode launch and by five per launch that admits."""
-    clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
-    llm = LLM(str(partly_trained), block_size=4, async_scheduling=True, max_num_seqs=2)
-    submit = llm.engine.executor.submit
-
-    def launch(plan):
-        clock.now += 5.0 if plan.new_requests else 1.0
-        return submit(plan)
-
-    monkeypatch.setattr(llm.engine.executor, "submit", launch)
-    samples: list[float] = []
-    observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, s: (samples.append(s), observe(self, batch, k, s)))
+    llm, samples = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 5.0 if plan.new_requests else 1.0,
+                                      max_num_seqs=2)
     llm.generate(prompts_of(64, [5, 9, 14, 20, 3, 11, 7], seed=12), GREEDY)  # 7 requests through 2 slots
     assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
     assert set(samples) == {1.0}, sorted(set(samples))
@@ -219,24 +219,17 @@ def test_a_lap_that_held_a_graph_capture_is_not_a_step_cost(partly_trained: Path
     launch of its step, i.e. inside the lap of the step in flight: on the H100 that is tens of ms in a
     0.5 ms step's sample. The runner counts its captures and the engine leaves such laps out. Here every
     ninth launch "captures": the runner's count moves and the fake clock jumps by 50 units."""
-    clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
-    llm = LLM(str(partly_trained), block_size=4, async_scheduling=True)
-    runner, submit, launches = llm.engine.executor.runner, llm.engine.executor.submit, []
+    engine = SimpleNamespace(runner=None)  # set once the engine exists, before its first launch
 
-    def launch(plan):
-        launches.append(plan)
-        if len(launches) % 9 == 0:
-            runner.num_captures += 1
-            clock.now += 50.0
-        clock.now += 1.0
-        return submit(plan)
+    def cost(plan: StepPlan, n: int) -> float:
+        if n % 9:
+            return 1.0
+        engine.runner.num_captures += 1
+        return 51.0
 
-    monkeypatch.setattr(llm.engine.executor, "submit", launch)
-    samples: list[float] = []
-    observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, s: (samples.append(s), observe(self, batch, k, s)))
+    llm, samples = _timed_by_launches(partly_trained, monkeypatch, cost)
+    engine.runner = llm.engine.executor.runner
     for _ in range(3):
         llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
-    assert runner.num_captures >= 5 and len(samples) > 20
+    assert engine.runner.num_captures >= 5 and len(samples) > 20
     assert set(samples) == {1.0}, sorted(set(samples))
