@@ -25,9 +25,9 @@ def to_device(data: np.ndarray | Sequence, dtype: torch.dtype, device: torch.dev
 class Staging:
     """A worker's per-step copies through pinned buffers that are reused, not allocated per step.
 
-    On the H100's host, allocating pinned memory, copying numpy into it and recording an event through
-    the torch.cuda helpers took 45-65 us per copy, a sixth of a small model's whole step. Here:
-    `upload` writes int64 data into the next pinned buffer of a ring and copies it into one persistent
+    No pinned memory, events or device buffers are allocated per step; but on the H100's host that did
+    not make a copy cheaper (measured alone: upload 31.6 us, download 30.9 us, against 26.8 us for a
+    fresh pinned tensor through `to_device`), since there every torch call costs about 3 us. `upload` writes int64 data into the next pinned buffer of a ring and copies it into one persistent
     device buffer, which is valid until the next upload (the stream orders the kernels that read the
     previous contents before the copy that overwrites them); `download` copies a device tensor of
     8-byte elements into the next pinned buffer and returns it with the event that marks the copy's
