@@ -5,11 +5,11 @@
 
 For each (concurrency, k) cell, in the order given (a k may repeat: the host's speed drifts, and a
 repeat shows by how much), the closed loop of spec_matrix.py runs once on one engine, and it prints
-the wall time per engine step, the lap samples the engine fed StepCosts per k (count, median, p10,
-p90) and, at the end of the cell, the chooser's cost row for that batch size with the last samples
-behind each k. Where the cost row and the fixed-k cells disagree, the chooser picks k's that the
-fixed cells beat (the H100, session F: auto's k = 4 read 4.4x k = 0 where steps were 1.4x). A
-diagnosis aid: no RESULTS section.
+the wall time per engine step, the samples the engine fed StepCosts per k (count; median, p10 and p90
+of the device's share and of the host's) and, at the end of the cell, the chooser's cost row for that
+batch size, its host share now and its device row. Where the cost row and the fixed-k cells disagree,
+the chooser picks k's that the fixed cells beat (the H100, session F, from whole-lap medians: auto's
+k = 4 read 4.4x k = 0 where steps were 1.4x). A diagnosis aid: no RESULTS section.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import workloads  # noqa: E402
 
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
-from mtpserve.cluster.spec_chooser import StepCosts  # noqa: E402
+from mtpserve.cluster.step_costs import StepCosts  # noqa: E402
 from mtpserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -36,18 +36,23 @@ class LapRecorder:
     """The samples StepCosts.observe receives, per k (wrapped on the class: every engine's table)."""
 
     def __init__(self) -> None:
-        self.samples: dict[int, list[float]] = {}
+        self.samples: dict[int, list[tuple[float, float]]] = {}  # k -> (device, host) per sample
+        self.overlapped = False
         observe = StepCosts.observe
 
-        def recorded(costs: StepCosts, batch: int, k: int, seconds: float) -> None:
-            self.samples.setdefault(k, []).append(seconds)
-            observe(costs, batch, k, seconds)
+        def recorded(costs: StepCosts, batch: int, k: int, device: float, host: float = 0.0,
+                     overlapped: bool = False) -> None:
+            self.samples.setdefault(k, []).append((device, host))
+            self.overlapped = overlapped
+            observe(costs, batch, k, device, host, overlapped)
 
         StepCosts.observe = recorded
 
-    def summary(self) -> dict[int, tuple[int, float, float, float]]:
-        """k -> (samples, median, p10, p90 in ms)."""
-        return {k: (len(v), *(round(float(np.percentile(v, q)) * 1e3, 3) for q in (50, 10, 90)))
+    def summary(self) -> dict[int, str]:
+        """k -> 'n; device median/p10/p90; host median/p10/p90' (ms)."""
+        def ms(v: np.ndarray) -> str:
+            return "/".join(f"{float(np.percentile(v, q)) * 1e3:.3f}" for q in (50, 10, 90))
+        return {k: f"{len(v)}; device {ms(np.array(v)[:, 0])}; host {ms(np.array(v)[:, 1])}"
                 for k, v in sorted(self.samples.items())}
 
 
@@ -61,12 +66,11 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
     run = workloads.drive(engine, jobs, c, f"k{k}c{c}")
     wall = time.perf_counter() - t0
     print(f"c={c} k={k}: {wall / run.engine_steps * 1e3:.3f} ms per step, {run.tokens_per_s:.0f} tok/s, "
-          f"AL {run.spec.acceptance_length:.2f}; lap samples per k (n, median, p10, p90 ms) {laps.summary()}")
+          f"AL {run.spec.acceptance_length:.2f}; samples per k (ms: median/p10/p90) {laps.summary()}")
     costs = engine.adaptive.costs
-    b = costs.bucket(c)
-    recent = {j: np.round(np.sort(costs.recent[b, j][~np.isnan(costs.recent[b, j])]) * 1e3, 2).tolist()
-              for j in sorted(laps.samples)}
-    print(f"  cost row (ms) {np.round(costs.costs(c) * 1e3, 3).tolist()}; its last samples {recent}")
+    print(f"  cost row (ms) {np.round(costs.costs(c) * 1e3, 3).tolist()} = "
+          f"{'max' if laps.overlapped else 'sum'}(host now {costs.host(c) * 1e3:.3f}, "
+          f"device {np.round(costs.device(c) * 1e3, 3).tolist()})")
 
 
 def main(argv: list[str] | None = None) -> int:

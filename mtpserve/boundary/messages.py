@@ -56,3 +56,6 @@ class StepResult:
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
+    # The uniform step's own time on the device (CUDA events from its first copy to its result's copy;
+    # 0: not timed there), the device share of adaptive speculation's step costs (design §9).
+    device_seconds: float = 0.0

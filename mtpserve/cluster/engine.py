@@ -68,6 +68,7 @@ class LLMEngine:
         )
         self._step_clock = _StepClock()
         self._captures_seen = 0  # the executor's graph captures when the last step cost was learned
+        self._executor_seconds = [0.0, 0.0]  # since the last lap: inside submit / execute, blocked in wait
         for batch, k, seconds in getattr(self.executor, "start_step_costs", ()) if self.adaptive else ():
             if k <= r.max_auto_spec:
                 self.adaptive.costs.seed(batch, k, seconds)
@@ -149,11 +150,18 @@ class LLMEngine:
             self._in_flight = self._launch(self.scheduler.schedule)
         following = self._launch_overlapped()
         done, self._in_flight = self._in_flight, following
-        result = done.handle if isinstance(done.handle, StepResult) else self.executor.wait(done.handle)
+        result = done.handle if isinstance(done.handle, StepResult) else self._timed(1, self.executor.wait, done.handle)
         # With async scheduling a lap is one step's period only inside an unbroken pipeline: a step launched
         # synchronously did its work inside the previous lap, and a lap after it can be a few microseconds.
         steady = not self._async or (done.overlapped and following is not None)
         return self._postprocess(done.plan, result, done.stats, steady)
+
+    def _timed(self, which: int, call: Callable[[Any], Any], arg: Any) -> Any:
+        """call(arg), its seconds added to _executor_seconds[which] (0: launching, 1: waiting)."""
+        t0 = time.perf_counter()
+        out = call(arg)
+        self._executor_seconds[which] += time.perf_counter() - t0
+        return out
 
     def _launch(self, schedule) -> _Step:
         t0, preemptions = time.perf_counter(), self.scheduler.num_preemptions
@@ -163,7 +171,7 @@ class LLMEngine:
         stats.prefix_cache_queries, stats.prefix_cache_hits = self.blocks.take_counts()
         if not (plan.req_ids or plan.freed_ids):
             return _Step(plan, stats, StepResult())
-        return _Step(plan, stats, self.executor.submit(plan) if self._async else self.executor.execute(plan))
+        return _Step(plan, stats, self._timed(0, self.executor.submit if self._async else self.executor.execute, plan))
 
     def _launch_overlapped(self) -> _Step | None:
         """The next decode step, launched before the one in flight is read (None: run synchronously)."""
@@ -196,17 +204,20 @@ class LLMEngine:
         stats.num_generation_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.spec = step_spec
         stats.target_seconds, stats.draft_seconds = result.target_seconds, result.draft_seconds
-        self._learn_cost(plan, stats, steady)
+        self._learn_cost(plan, result, stats, steady)
         self.last_stats = stats
         return outputs
 
-    def _learn_cost(self, plan: StepPlan, stats: StepStats, steady: bool) -> None:
-        """Feed the step-cost model (design §9) and report the chosen k. A step's cost is the time since the
+    def _learn_cost(self, plan: StepPlan, result: StepResult, stats: StepStats, steady: bool) -> None:
+        """Feed the step-cost model (design §9) and report the chosen k. A step's lap is the time since the
         previous step ended: with overlapped steps that is what the batch pays per step, host or device.
         Only decode steps at the same k as the one before count: a step with prompt chunks (or a catch-up
-        after k rose) costs more than its k alone, and must not pollute the decode table."""
+        after k rose) costs more than its k alone, and must not pollute the decode table. The lap is split
+        into the device's share and the host's: overlapped on a device that timed the step, the host's is
+        the lap less its wait for the result; run serially, the device's is the time inside the executor."""
         k = max(plan.num_spec, default=0)
         seconds = self._step_clock.lap((k, stats.num_prompt_tokens == 0 and not plan.new_requests))
+        (inside, waited), self._executor_seconds = self._executor_seconds, [0.0, 0.0]
         # A graph captured inside the lap (a shape first seen, e.g. the window after k fell) took it over.
         captures, self._captures_seen = self._captures_seen, getattr(self.executor, "num_captures", 0)
         if captures != self._captures_seen:
@@ -216,7 +227,10 @@ class LLMEngine:
         stats.acceptance_estimate = self.adaptive.estimates()
         stats.spec_k = self.scheduler.step_k if self.adaptive.active else None  # None: no "auto" request ran
         if seconds is not None and steady and max(plan.num_drafts, default=0) == k:
-            self.adaptive.costs.observe(len(plan.req_ids), k, seconds)
+            overlapped = self._async and result.device_seconds > 0
+            device = result.device_seconds if overlapped else inside + waited
+            host = seconds - (waited if overlapped else inside + waited)
+            self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped)
 
     def _prompt_tokens(self, plan: StepPlan) -> int:
         """Prompt tokens this plan computes (recomputation after preemption counts again)."""

@@ -6,9 +6,9 @@ Three pieces, all numpy over the batch (no per-request Python work beyond gather
   position (p_j: draft j is accepted given drafts 0..j-1 were), decayed so that a change of topic
   shows within a few steps; a new row starts from the engine-wide prior, itself a slower average of
   every observation.
-* `StepCosts`: seconds per decode step per (batch bucket, k), the median of recent timed steps
-  (seeded by timing the captured graphs at start where the runner can); a k not yet measured in a
-  bucket is estimated from that bucket's measured k's with the slope fitted over all buckets.
+* `StepCosts` (step_costs.py): seconds per decode step per (batch bucket, k), the host's share now
+  combined with the device's at k (medians of recent timed steps, seeded by timing the captured graphs
+  at start where the runner can, estimated where not measured).
 * `choose_k`: the step's k maximising expected emitted tokens per second of the whole batch, where an
   adaptive request runs min(k, cap) drafts and a fixed one its own number; with hysteresis.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mtpserve.workers.cuda_graphs import batch_buckets
+from mtpserve.cluster.step_costs import StepCosts
 
 
 @dataclass(frozen=True)
@@ -185,134 +185,13 @@ class AcceptanceTable:
         self.prior_steps = steps[-1]
 
 
-class StepCosts:
-    """Decode-step seconds per (batch bucket, k): medians of recent timed steps, estimated where not measured.
-
-    A median, not an average: laps are stretched now and then (a GC pause, the OS, a capture) and a few
-    end early, and on the H100's host the averaged table was far off (at c = 1, k = 1 costing 0.68 of
-    k = 0, k = 4 2.3x where the fixed-k runs gave 1.4x): an average clipped to 1.5x of itself moves back
-    from one bad first sample by a few percent a step, while the chooser samples a k only while it runs
-    it. The lower median of the last `cost_window` samples ignores any minority of outliers at once.
-
-    Start-up seeds (a captured graph's replay: device time only) are kept apart from measured steps
-    (device and host): where a bucket has both at some k, its seeds are moved by their mean difference,
-    so that a seeded k is compared with a measured one on the same footing.
-    A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
-    when a cell is first measured and every `REFIT` samples after; `costs` estimates what is marked
-    when the chooser asks (once per dwell, not every step).
-    """
-
-    REFIT = 32
-
-    def __init__(self, config: AdaptiveConfig) -> None:
-        self.config = config
-        self.buckets = np.array(batch_buckets(config.max_rows))
-        self.seconds = np.full((len(self.buckets), config.max_k + 1), np.nan)  # measured
-        self.seeds = np.full(self.seconds.shape, np.nan)  # start-up timings
-        self.samples = np.zeros(self.seconds.shape, dtype=np.int64)
-        self.recent = np.full(self.seconds.shape + (config.cost_window,), np.nan)  # the last samples, a ring
-        self._count = 0
-        self._slope = config.per_draft_cost
-        self._table = self._estimate()
-        self._stale = np.zeros(len(self.buckets), dtype=bool)  # rows of _table to estimate again
-        self._refit = False  # the slope and every row
-        self._bucket_of = np.searchsorted(self.buckets, np.arange(config.max_rows + 1))
-
-    def bucket(self, batch: int) -> int:
-        return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
-
-    def observe(self, batch: int, k: int, seconds: float) -> None:
-        """A timed decode step of `batch` requests whose chain ran k drafts."""
-        b = self.bucket(batch)
-        first = self.samples[b, k] == 0
-        self.recent[b, k, self.samples[b, k] % self.config.cost_window] = seconds
-        self.samples[b, k] += 1
-        if first:
-            self.seconds[b, k] = seconds  # marks the cell measured; its median waits for `costs`
-        self._count += 1
-        self._refit |= bool(first) or self._count % self.REFIT == 0
-        self._stale[b] = True
-
-    def seed(self, batch: int, k: int, seconds: float) -> None:
-        """A start-up timing (a captured graph's replay): a first estimate that real steps replace."""
-        self.seeds[self.bucket(batch), k] = seconds
-        self._refit = True
-
-    def timed(self, batch: int, k: int) -> bool:
-        """Whether k has been measured or seeded in this batch's bucket."""
-        b = self.bucket(batch)
-        return not (np.isnan(self.seconds[b, k]) and np.isnan(self.seeds[b, k]))
-
-    def slope(self) -> float:
-        """Relative extra cost per draft (b / a of cost = a + b k), the median over the buckets where two or
-        more k are known; the configured prior before that."""
-        a, b, n = _line_fit(self._known(self.seconds, self.seeds))
-        rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
-        return float(np.clip(np.median(rel), 0.0, 10.0)) if rel.size else self.config.per_draft_cost
-
-    def costs(self, batch: int) -> np.ndarray:
-        """[K + 1] cost of a step at each k for this batch size (only the ratios matter to choose_k)."""
-        b = self.bucket(batch)
-        if self._refit:
-            self._update_medians(slice(None))
-            self._slope, self._table, self._refit = self.slope(), self._estimate(), False
-            self._stale[:] = False
-        elif self._stale[b]:
-            self._update_medians(slice(b, b + 1))
-            measured = self.seconds[b]
-            # Every k measured (the usual case once serving): the row is its medians, no model to evaluate.
-            self._table[b] = measured if not np.isnan(measured).any() else self._estimate(b)[0]
-            self._stale[b] = False
-        return self._table[b]
-
-    def _update_medians(self, rows: slice) -> None:
-        """seconds[rows] = the lower median of each measured cell's recent samples (NaN sorts last)."""
-        n = np.minimum(self.samples[rows], self.config.cost_window)  # [r, K + 1]
-        ordered = np.sort(self.recent[rows], axis=-1)
-        median = np.take_along_axis(ordered, (np.maximum(n, 1) - 1)[..., None] // 2, axis=-1)[..., 0]
-        self.seconds[rows] = np.where(n > 0, median, np.nan)  # NaN where never measured
-
-    @staticmethod
-    def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-        """Measured where measured, else the seed moved by its bucket's mean (measured - seed); NaN elsewhere."""
-        both = ~np.isnan(seconds) & ~np.isnan(seeds)
-        offset = np.where(both, seconds - seeds, 0.0).sum(axis=1) / np.maximum(both.sum(axis=1), 1)
-        return np.where(np.isnan(seconds), seeds + offset[:, None], seconds)
-
-    def _estimate(self, bucket: int | None = None) -> np.ndarray:
-        """Known where known; elsewhere the bucket's own line through its known k (two or more), else
-        1 + slope * k scaled to its one known cost (or unscaled: nothing known)."""
-        rows = slice(None) if bucket is None else slice(bucket, bucket + 1)
-        known = self._known(self.seconds[rows], self.seeds[rows])
-        ks = np.arange(known.shape[1])
-        a, b, n = _line_fit(known)
-        level = np.nanmax(np.where(np.isnan(known), -np.inf, known / (1.0 + self._slope * ks)), axis=1)
-        level = np.where(n > 0, level, 1.0)
-        fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
-        return np.where(np.isnan(known), fitted, known)
-
-
-def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row, least squares cost = a + b k through the known (non-NaN) entries, b >= 0 (a step never gets
-    cheaper with more drafts): (a, b, number of known entries)."""
-    known = ~np.isnan(seconds)
-    ks = np.where(known, np.arange(seconds.shape[1]), 0.0)
-    ys = np.where(known, seconds, 0.0)
-    n = known.sum(axis=1)
-    sx, sy, sxx, sxy = ks.sum(1), ys.sum(1), (ks * ks).sum(1), (ks * ys).sum(1)
-    den = n * sxx - sx * sx
-    b = np.clip(np.divide(n * sxy - sx * sy, den, out=np.zeros(len(n)), where=den > 0), 0.0, None)
-    a = np.divide(sy - b * sx, n, out=np.ones(len(n)), where=n > 0)
-    return a, b, n
-
-
 class AdaptiveSpec:
     """The scheduler's view: a row per running request, the chosen k per step, and what it learns."""
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self.acceptance = AcceptanceTable(config)
-        self.costs = StepCosts(config)
+        self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)

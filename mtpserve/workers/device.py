@@ -44,6 +44,18 @@ class Staging:
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self._device_buf = torch.empty(0, dtype=torch.int64, device=device)
         self._up, self._down = _PinnedRing(self.DEPTH), _PinnedRing(self.DEPTH)
+        self._stamps: list[torch.cuda.Event] = [torch.cuda.Event(enable_timing=True) for _ in range(self.DEPTH)]
+        self._next_stamp = 0
+
+    def stamp(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the stream now (None off CUDA): with the event `download` returns,
+        it times a step's own work on the device; reused DEPTH stamps later, as the download buffers are."""
+        if not self.cuda:
+            return None
+        event = self._stamps[self._next_stamp]
+        self._next_stamp = (self._next_stamp + 1) % self.DEPTH
+        event.record(self.stream)
+        return event
 
     def upload(self, data: np.ndarray) -> torch.Tensor:
         """int64 data [n] -> a device tensor [n] (valid until the next upload)."""
@@ -89,6 +101,6 @@ class _PinnedRing:
         return buf[:numel], i
 
     def mark(self, i: int, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = self.events[i] = self.events[i] or torch.cuda.Event()
+        event = self.events[i] = self.events[i] or torch.cuda.Event(enable_timing=True)  # a step's end (stamp)
         event.record(stream)
         return event

@@ -23,7 +23,8 @@ import mtpserve.cluster.engine as engine_module
 from mtpserve import LLM, SamplingParams
 from mtpserve.boundary.messages import StepPlan
 from mtpserve.cluster.scheduler import Scheduler
-from mtpserve.cluster.spec_chooser import AdaptiveSpec, StepCosts
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from mtpserve.cluster.step_costs import StepCosts
 from tests.cluster.test_lossless_sampling import SAMPLES, SETTINGS, VOCAB, PROMPT, _exact_joint, small_vocab_ckpt  # noqa: F401
 from tests.conftest import prompts_of
 from tests.stats import ALPHA, chi_square_pvalue
@@ -168,9 +169,10 @@ def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
 
 
 def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Callable[[StepPlan, int], float],
-                       **engine_args) -> tuple[LLM, list[float]]:
+                       **engine_args) -> tuple[LLM, list[float], SimpleNamespace]:
     """An async engine whose clock moves only when a step is launched, by cost(plan, launches so far), and
-    the step-cost samples it learns (appended as they come)."""
+    the step-cost samples it learns, as whole laps (appended as they come; on the CPU the runner works
+    inside the launch, so the engine takes that time for the device's share and the rest for the host's)."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
     llm = LLM(str(model), block_size=4, async_scheduling=True, **engine_args)
@@ -184,8 +186,14 @@ def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Calla
     monkeypatch.setattr(llm.engine.executor, "submit", launch)
     samples: list[float] = []
     observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, s: (samples.append(s), observe(self, batch, k, s)))
-    return llm, samples
+
+    def observed(self: StepCosts, batch: int, k: int, device: float, host: float, overlapped: bool) -> None:
+        assert not overlapped, "no device timed the step: the CPU runs it inside the launch"
+        samples.append(device + host)
+        observe(self, batch, k, device, host, overlapped)
+
+    monkeypatch.setattr(StepCosts, "observe", observed)
+    return llm, samples, clock  # clock.now: the engine's time
 
 
 def test_step_costs_are_learned_only_from_whole_step_periods(partly_trained: Path,
@@ -194,7 +202,7 @@ def test_step_costs_are_learned_only_from_whole_step_periods(partly_trained: Pat
     lap after it can be a few microseconds: such laps must not become step costs (on an H100 one made k = 0
     look 50x cheaper than it is, and the chooser ran 16 steps without drafts). The engine's clock here moves
     only when a step is launched, by one unit: a lap that is one whole step's period reads exactly 1."""
-    llm, samples = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 1.0)
+    llm, samples, _ = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 1.0)
     for _ in range(3):  # closed loops that start and drain, so that sync and overlapped launches alternate
         llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
     assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
@@ -206,7 +214,7 @@ def test_a_lap_that_launched_a_prompt_is_not_a_step_cost(partly_trained: Path, m
     prompt rows to its end when it is launched: a lap that contained such a launch would read a decode
     step plus a prefill. Admissions wait for a synchronous launch, which ends the pipeline, so no such lap
     is sampled. The fake clock moves by one unit per decode launch and by five per launch that admits."""
-    llm, samples = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 5.0 if plan.new_requests else 1.0,
+    llm, samples, _ = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 5.0 if plan.new_requests else 1.0,
                                       max_num_seqs=2)
     llm.generate(prompts_of(64, [5, 9, 14, 20, 3, 11, 7], seed=12), GREEDY)  # 7 requests through 2 slots
     assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
@@ -227,9 +235,32 @@ def test_a_lap_that_held_a_graph_capture_is_not_a_step_cost(partly_trained: Path
         engine.runner.num_captures += 1
         return 51.0
 
-    llm, samples = _timed_by_launches(partly_trained, monkeypatch, cost)
+    llm, samples, _ = _timed_by_launches(partly_trained, monkeypatch, cost)
     engine.runner = llm.engine.executor.runner
     for _ in range(3):
         llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
     assert engine.runner.num_captures >= 5 and len(samples) > 20
     assert set(samples) == {1.0}, sorted(set(samples))
+
+
+def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step-cost model prices every k with the host's share as it is now (design §9), so the engine
+    must tell the two apart: the time inside the executor is the device's share where the step runs
+    serially (the CPU), the rest of the lap the host's. The fake clock moves by one unit per launch and
+    by a quarter whenever the scheduler plans an overlapped step."""
+    llm, _, clock = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 1.0)
+    shares: list[tuple[float, float]] = []
+    observe = StepCosts.observe
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped: (
+        shares.append((device, host)), observe(self, batch, k, device, host, overlapped)))
+    scheduler = llm.engine.scheduler
+    plan_overlapped = scheduler.schedule_overlapped
+
+    def slow_planning(plan: StepPlan) -> StepPlan | None:
+        clock.now += 0.25
+        return plan_overlapped(plan)
+
+    monkeypatch.setattr(scheduler, "schedule_overlapped", slow_planning)
+    llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
+    assert len(shares) > 10 and set(shares) == {(1.0, 0.25)}, sorted(set(shares))
+    assert llm.engine.adaptive.costs.host(5) == 0.25

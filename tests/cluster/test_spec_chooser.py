@@ -8,8 +8,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from mtpserve.cluster.spec_chooser import (AcceptanceTable, AdaptiveConfig, AdaptiveSpec, StepCosts, choose_k,
-                                           expected_tokens)
+from mtpserve.cluster.spec_chooser import AcceptanceTable, AdaptiveConfig, AdaptiveSpec, choose_k, expected_tokens
+from mtpserve.cluster.step_costs import StepCosts
 
 K = 4
 
@@ -185,7 +185,7 @@ def test_a_reused_row_starts_over_and_its_old_steps_count_for_the_prior_only() -
 
 
 def test_step_costs_measured_where_known_and_modelled_elsewhere() -> None:
-    costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=64, per_draft_cost=0.1))
+    costs = StepCosts(K, 64, per_draft_cost=0.1)
     np.testing.assert_allclose(costs.costs(5), [1.0, 1.1, 1.2, 1.3, 1.4])  # nothing measured: the prior
     costs.observe(5, 0, 0.010)  # bucket of 5 (8): k = 0 measured, the rest from the prior slope
     np.testing.assert_allclose(costs.costs(5), [0.010, 0.011, 0.012, 0.013, 0.014])
@@ -199,7 +199,7 @@ def test_step_costs_measured_where_known_and_modelled_elsewhere() -> None:
 
 
 def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
-    costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=64))
+    costs = StepCosts(K, 64)
     costs.seed(3, 1, 1.0)
     assert costs.costs(3)[1] == 1.0
     costs.observe(3, 1, 3.0)  # the first real step replaces the seed ...
@@ -208,6 +208,33 @@ def test_a_start_up_seed_is_replaced_by_real_steps() -> None:
     costs.observe(3, 1, 2.0)
     costs.observe(3, 1, 2.5)  # ... and later steps count with it
     assert costs.costs(3)[1] == 2.5
+
+
+
+def test_overlapped_steps_cost_the_slower_of_host_and_device_serial_ones_both() -> None:
+    device = [0.20, 0.30, 0.40, 0.50, 0.60]
+    overlapped, serial = StepCosts(K, 8), StepCosts(K, 8)
+    for k, d in enumerate(device):
+        overlapped.observe(1, k, d, host=0.35, overlapped=True)
+        serial.observe(1, k, d, host=0.35)
+    np.testing.assert_allclose(overlapped.costs(1), [0.35, 0.35, 0.40, 0.50, 0.60])
+    np.testing.assert_allclose(serial.costs(1), np.add(device, 0.35))
+
+
+def test_every_k_is_priced_with_the_host_as_it_is_now() -> None:
+    """The host's share of a step moves with the host (on the H100 one op's time moved 2x inside a run),
+    the device's does not: k = 0 timed while the host was fast and k = 4 while it was slow must not make
+    k = 4 look dearer than it is. Medians of whole laps read 4.4x here, as the table auto learned in the
+    H100's matrix did (k = 4 at 4.4x k = 0 where the steps were about 1.4x)."""
+    costs = StepCosts(K, 8)
+    for _ in range(16):
+        costs.observe(1, 0, 0.20, host=0.25, overlapped=True)  # laps of 0.25
+    for _ in range(16):
+        costs.observe(1, 4, 0.50, host=1.10, overlapped=True)  # laps of 1.1: the host slowed down
+    np.testing.assert_allclose(costs.costs(1), [1.10] * (K + 1))  # host-bound at every k now: drafts are free
+    for _ in range(16):
+        costs.observe(1, 4, 0.50, host=0.25, overlapped=True)  # the host is fast again
+    np.testing.assert_allclose(costs.costs(1)[[0, 4]], [0.25, 0.50])
 
 
 def _serve_step(spec: AdaptiveSpec, rows: np.ndarray, p: float, cost: Callable[[int], float],
@@ -263,6 +290,39 @@ def test_requests_coming_and_going_settle_on_the_best_k_from_seeded_costs(p: flo
     assert settled.count(best) >= 0.9 * len(settled), f"choices after warm-up: {np.bincount(settled, minlength=K + 1)}"
 
 
+
+def _drifting_host(p: float, seed: int, split: bool) -> float:
+    """One request at a time on the H100's shape (device graphs GRAPH_US, overlapped with the host), the host's
+    share of a step 250 us for 500 steps, then 1000 us for 500, and so on (+-10 %); -> expected tokens per
+    second over the best k's of each step. `split`: steps observed as host and device shares (else as laps)."""
+    rng = np.random.default_rng(seed)
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1))
+    device = np.array(GRAPH_US) * 1e-6
+    for k, seconds in enumerate(device):
+        spec.costs.seed(1, k, seconds)
+    rows = np.array([spec.admit(K, True)])
+    tokens = np.array([1 + sum(p**j for j in range(1, k + 1)) for k in range(K + 1)])
+    got = best = 0.0
+    for step in range(3000):
+        host = (1000e-6 if (step // 500) % 2 else 250e-6) * rng.uniform(0.9, 1.1)
+        k = spec.choose(rows)
+        accepted = np.argmin(np.concatenate((rng.uniform(size=(1, k)) < p, np.zeros((1, 1), bool)), 1), 1)
+        spec.acceptance.observe(rows, np.array([k]), accepted)
+        laps = np.maximum(host, device)
+        spec.costs.observe(1, k, *((device[k], host, True) if split else (laps[k],)))
+        if step >= 100:
+            got, best = got + tokens[k] / laps[k], best + (tokens / laps).max()
+    return got / best
+
+
+def test_a_drifting_host_keeps_the_choice_at_the_best_k() -> None:
+    """At p = 0.3 the best k is 1 while the host is fast and 4 (drafts free) while it is slow. Priced with
+    the host as it is now, auto follows within a dwell; from whole-lap medians (each k timed in another
+    phase) it got 0.78 of the best here."""
+    assert min(_drifting_host(0.3, seed, split=True) for seed in range(1, 4)) >= 0.97
+    assert _drifting_host(0.3, 1, split=False) < 0.9  # what the old table did: the test can tell them apart
+
+
 def _one_at_a_time(strength: float, seed: int) -> float:
     """Requests of 35 steps one after another at acceptance 0.85, real steps as on the H100 at c=1 (the
     host's 380 us floor, device graphs above it); -> expected tokens per second over the best k's."""
@@ -291,7 +351,7 @@ def test_one_request_at_a_time_keeps_its_k_through_runs_of_rejections() -> None:
 
 
 def test_outlying_laps_move_no_cost_and_a_bad_first_one_is_forgotten_at_once() -> None:
-    costs = StepCosts(AdaptiveConfig(max_k=K, max_rows=8))
+    costs = StepCosts(K, 8)
     costs.observe(1, 4, 1.0)
     costs.observe(1, 4, 10.0)  # a GC pause inside the lap
     costs.observe(1, 4, 0.0)  # and a lap that ended early
@@ -300,7 +360,7 @@ def test_outlying_laps_move_no_cost_and_a_bad_first_one_is_forgotten_at_once() -
     costs.observe(1, 2, 0.5)  # stayed near 10 for dozens of steps, while the chooser avoided k = 2)
     costs.observe(1, 2, 0.5)
     assert costs.costs(1)[2] == 0.5
-    for _ in range(2 * costs.config.cost_window):  # only the recent window counts: the cost moves with the host
+    for _ in range(2 * costs.window):  # only the recent window counts: the cost moves with the host
         costs.observe(1, 4, 2.0)
     assert costs.costs(1)[4] == 2.0
 

@@ -51,3 +51,18 @@ def test_an_upload_is_read_by_earlier_kernels_before_the_next_overwrites_it() ->
         torch.cuda._sleep(100_000)  # the reads below wait behind this while the host uploads again
         outs.append(dev.sum())
     assert [int(o) for o in outs] == [1024 * i for i in range(2 * Staging.DEPTH)]
+
+
+@needs_cuda
+def test_a_stamp_and_a_download_time_the_work_between_them_on_the_device() -> None:
+    """What adaptive speculation takes for a step's device share (design §9): the GPU's time from the stamp
+    to the copy's end, however early the host got there."""
+    staging = Staging(torch.device("cuda"))
+    for _ in range(Staging.DEPTH + 1):  # the stamps are a ring too
+        begun = staging.stamp()
+        torch.cuda._sleep(2_000_000)  # a few ms of device time the host does not wait for
+        host, done = staging.download(torch.arange(8, device="cuda"))
+        done.synchronize()
+        seconds = begun.elapsed_time(done) / 1e3
+        assert 1e-4 < seconds < 0.5, seconds
+    assert Staging(torch.device("cpu")).stamp() is None

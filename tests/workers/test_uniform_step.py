@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mtpserve import LLM, SamplingParams
+from mtpserve.cluster.step_costs import StepCosts
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.slot_state import DeviceState, StateDiffs, _last_writes, window_rows
 from tests.conftest import prompts_of
@@ -164,6 +165,25 @@ def test_a_captured_step_makes_no_host_sync(partly_trained: Path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert len(checked) > 5
+
+
+
+@cuda
+def test_overlapped_decode_steps_feed_their_device_and_host_shares(partly_trained: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the engine overlaps decode steps and the runner times each on the device (design §9): the
+    cost model gets both shares of every sampled lap."""
+    shares: list[tuple[float, float, bool]] = []
+    observe = StepCosts.observe
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped: (
+        shares.append((device, host, overlapped)), observe(self, batch, k, device, host, overlapped)))
+    llm = LLM(str(partly_trained), device="cuda", dtype="float32", max_num_seqs=8)  # "auto" by default
+    llm.generate(prompts_of(64, [6, 9, 7], seed=1), SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    assert len(shares) > 10
+    device, host, overlapped = map(np.array, zip(*shares))
+    assert overlapped.all() and (device > 0).all() and (host > 0).all()
+    costs = llm.engine.adaptive.costs
+    assert costs.overlapped[costs.bucket(3)] and costs.host(3) > 0
 
 
 @cuda

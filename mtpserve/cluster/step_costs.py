@@ -1,0 +1,163 @@
+"""What a decode step costs per (batch bucket, k), as the host's share and the device's (docs/design.md §9).
+
+A step costs the host H (schedule, launch, postprocess) and the device D_k (the step's kernels). With
+overlapped steps the batch pays max(H, D_k) per step; run one after the other, H + D_k. The two are
+kept apart because they behave differently:
+
+* D_k depends on k and hardly moves: per cell, the lower median of its last `cost_window` samples
+  (CUDA events around the step on the device; the time inside the executor where it runs serially),
+  seeded at start-up by timing the captured graphs, and estimated where neither exists.
+* H hardly depends on k but moves with the host: on the H100's host one op's time moved 2x inside one
+  run. Per bucket, the lower median of its last `cost_window` samples at any k, so every k is priced
+  with the host as it is now. Comparing whole-lap medians of cells measured at different times had
+  read k = 4 as 4.4x k = 0 at c = 1 where the steps were about 1.4x, and auto picked k's that the
+  fixed-k runs beat.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpserve.workers.cuda_graphs import batch_buckets
+
+
+class StepCosts:
+    """Seconds of a decode step per (batch bucket, k): combine(host now, device at k).
+
+    Device cells: the lower median of recent samples, not an average: steps are stretched now and then
+    (a GC pause, the OS) and a few end early, and the median ignores any minority of them at once where
+    an average clipped to 1.5x of itself recovered from one bad first sample by a few percent a step.
+    Start-up seeds (a captured graph's replay) are kept apart from measured cells: where a bucket has
+    both at some k, its seeds are moved by their mean difference (the measured step also holds its
+    copies), so that a seeded k is compared with a measured one on the same footing. A k neither
+    measured nor seeded lies on the bucket's least-squares line through its known k (two or more), else
+    on 1 + s k scaled to its one known cost, s being the median relative slope of the buckets that have
+    a line (`per_draft_cost` before any).
+
+    A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
+    when a cell is first measured and every `REFIT` samples after; `costs` estimates what is marked
+    when the chooser asks (once per dwell, not every step).
+    """
+
+    REFIT = 32
+
+    def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
+        self.max_k, self.window, self.per_draft_cost = max_k, window, per_draft_cost
+        self.buckets = np.array(batch_buckets(max_rows))
+        shape = (len(self.buckets), max_k + 1)
+        self.seconds = np.full(shape, np.nan)  # device medians, where measured
+        self.seeds = np.full(shape, np.nan)  # start-up timings
+        self.samples = np.zeros(shape, dtype=np.int64)
+        self.recent = np.full(shape + (window,), np.nan)  # the last device samples, a ring
+        self.host_recent = np.full((len(self.buckets), window), np.nan)  # the last host samples, any k
+        self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
+        self.overlapped = np.zeros(len(self.buckets), dtype=bool)  # how the last sample's step ran
+        self._count = 0
+        self._slope = per_draft_cost
+        self._table = self._estimate()  # device estimates
+        self._stale = np.zeros(len(self.buckets), dtype=bool)  # rows of _table to estimate again
+        self._refit = False  # the slope and every row
+        self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1))
+
+    def bucket(self, batch: int) -> int:
+        return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
+
+    def observe(self, batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False) -> None:
+        """A timed decode step of `batch` requests whose chain ran k drafts: `device` seconds of its own work
+        on the device, `host` seconds of the host's in its lap; `overlapped`: the two ran side by side."""
+        b = self.bucket(batch)
+        first = self.samples[b, k] == 0
+        self.recent[b, k, self.samples[b, k] % self.window] = device
+        self.samples[b, k] += 1
+        self.host_recent[b, self.host_samples[b] % self.window] = host
+        self.host_samples[b] += 1
+        self.overlapped[b] = overlapped
+        if first:
+            self.seconds[b, k] = device  # marks the cell measured; its median waits for `costs`
+        self._count += 1
+        self._refit |= bool(first) or self._count % self.REFIT == 0
+        self._stale[b] = True
+
+    def seed(self, batch: int, k: int, seconds: float) -> None:
+        """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
+        self.seeds[self.bucket(batch), k] = seconds
+        self._refit = True
+
+    def timed(self, batch: int, k: int) -> bool:
+        """Whether k has been measured or seeded in this batch's bucket."""
+        b = self.bucket(batch)
+        return not (np.isnan(self.seconds[b, k]) and np.isnan(self.seeds[b, k]))
+
+    def costs(self, batch: int) -> np.ndarray:
+        """[K + 1] seconds of a step at each k for this batch size (a unitless prior before any timing)."""
+        b = self.bucket(batch)
+        device, host = self.device(batch), self.host(batch)
+        return np.maximum(host, device) if self.overlapped[b] else host + device
+
+    def host(self, batch: int) -> float:
+        """The host's share of a step in this batch's bucket now: the lower median of its recent samples."""
+        b = self.bucket(batch)
+        n = min(self.host_samples[b], self.window)
+        return float(np.sort(self.host_recent[b])[(n - 1) // 2]) if n else 0.0
+
+    def device(self, batch: int) -> np.ndarray:
+        """[K + 1] device seconds of a step at each k for this batch size (estimated where not measured)."""
+        b = self.bucket(batch)
+        if self._refit:
+            self._update_medians(slice(None))
+            self._slope, self._table, self._refit = self.slope(), self._estimate(), False
+            self._stale[:] = False
+        elif self._stale[b]:
+            self._update_medians(slice(b, b + 1))
+            measured = self.seconds[b]
+            # Every k measured (the usual case once serving): the row is its medians, no model to evaluate.
+            self._table[b] = measured if not np.isnan(measured).any() else self._estimate(b)[0]
+            self._stale[b] = False
+        return self._table[b]
+
+    def slope(self) -> float:
+        """Relative extra device cost per draft (b / a of cost = a + b k), the median over the buckets where
+        two or more k are known; the configured prior before that."""
+        a, b, n = _line_fit(self._known(self.seconds, self.seeds))
+        rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
+        return float(np.clip(np.median(rel), 0.0, 10.0)) if rel.size else self.per_draft_cost
+
+    def _update_medians(self, rows: slice) -> None:
+        """seconds[rows] = the lower median of each measured cell's recent samples (NaN sorts last)."""
+        n = np.minimum(self.samples[rows], self.window)  # [r, K + 1]
+        ordered = np.sort(self.recent[rows], axis=-1)
+        median = np.take_along_axis(ordered, (np.maximum(n, 1) - 1)[..., None] // 2, axis=-1)[..., 0]
+        self.seconds[rows] = np.where(n > 0, median, np.nan)  # NaN where never measured
+
+    @staticmethod
+    def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """Measured where measured, else the seed moved by its bucket's mean (measured - seed); NaN elsewhere."""
+        both = ~np.isnan(seconds) & ~np.isnan(seeds)
+        offset = np.where(both, seconds - seeds, 0.0).sum(axis=1) / np.maximum(both.sum(axis=1), 1)
+        return np.where(np.isnan(seconds), seeds + offset[:, None], seconds)
+
+    def _estimate(self, bucket: int | None = None) -> np.ndarray:
+        """Known where known; elsewhere the bucket's own line through its known k (two or more), else
+        1 + slope * k scaled to its one known cost (or unscaled: nothing known)."""
+        rows = slice(None) if bucket is None else slice(bucket, bucket + 1)
+        known = self._known(self.seconds[rows], self.seeds[rows])
+        ks = np.arange(known.shape[1])
+        a, b, n = _line_fit(known)
+        level = np.nanmax(np.where(np.isnan(known), -np.inf, known / (1.0 + self._slope * ks)), axis=1)
+        level = np.where(n > 0, level, 1.0)
+        fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
+        return np.where(np.isnan(known), fitted, known)
+
+
+def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row, least squares cost = a + b k through the known (non-NaN) entries, b >= 0 (a step never gets
+    cheaper with more drafts): (a, b, number of known entries)."""
+    known = ~np.isnan(seconds)
+    ks = np.where(known, np.arange(seconds.shape[1]), 0.0)
+    ys = np.where(known, seconds, 0.0)
+    n = known.sum(axis=1)
+    sx, sy, sxx, sxy = ks.sum(1), ys.sum(1), (ks * ks).sum(1), (ks * ys).sum(1)
+    den = n * sxx - sx * sx
+    b = np.clip(np.divide(n * sxy - sx * sy, den, out=np.zeros(len(n)), where=den > 0), 0.0, None)
+    a = np.divide(sy - b * sx, n, out=np.ones(len(n)), where=n > 0)
+    return a, b, n
