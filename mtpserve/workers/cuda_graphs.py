@@ -30,6 +30,7 @@ buffers, so the padding logic is tested on CPU bit for bit against the eager pat
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -70,9 +71,17 @@ def capture_graph(fn: Callable[[], T], pool: tuple[int, int] | None, device: tor
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: another thread's CUDA calls (a server's event loop) must not abort the capture.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
+    # thread_local: another thread's CUDA calls (a server's event loop) must not abort the capture. Nor may
+    # the garbage collector: a graph it frees meanwhile (an old runner's) resets its executable graph, which
+    # is not permitted while a stream captures, and the capture fails (seen on the H100 in the CUDA tests).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
