@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import sys
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -34,6 +36,15 @@ def partly_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Trained so briefly that the MTP modules are right about a third of the time: drafts are
     accepted and rejected in every pattern, which is what equivalence and replay must survive."""
     return _trained(tmp_path_factory.mktemp("partly_trained"), steps=8)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_the_heap() -> Iterator[None]:
+    """An engine freezes the heap it started with (mtpserve/workers/heap.py): right for a process that
+    serves one engine, a leak for a test session that builds hundreds. Each test's engines become
+    collectable again once it ends."""
+    yield
+    gc.unfreeze()
 
 
 def prompts_of(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -24,6 +24,7 @@ from mtpserve.cluster.tokenizer import Tokenizer
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.errors import InvalidRequestError, WorkerLost
 from mtpserve.outputs import RequestOutput
+from mtpserve.workers.heap import freeze_startup_heap
 from mtpserve.sampling_params import SPEC_AUTO, SamplingParams
 
 
@@ -83,6 +84,7 @@ class LLMEngine:
         self.faults = FaultBudget(config.max_faults, config.fault_window_s)
         self.recoveries: list[RecoveryEvent] = []  # recovered worker faults, for whoever reports them
         self.on_serving: Callable[[bool], None] | None = None  # told when a recovery starts and ends
+        freeze_startup_heap()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -223,17 +223,17 @@ class ModelRunner:
         window = 1 + max(max(plan.num_drafts), chain)
         shape = StepShape(window, chain, sampling_flags([r.params for r in reqs], self.vocab))
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
-        begun = self.staging.stamp()
         packed, raw = self.uniform.run(slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
         host, done = self._stage(reqs, packed, raw)
-        return PendingStep(reqs, shape.window - 1, host, done, t0, begun)
+        return PendingStep(reqs, shape.window - 1, host, done, t0, self.uniform.began)
 
     def _finish_uniform(self, p: "PendingStep") -> StepResult:
         """Read a uniform step's result (the step's one wait for the device) and advance the host state."""
         result, modules = StepResult(), self.config.num_mtp_modules
         if p.done is not None:
             p.done.synchronize()
-            # From the GPU reaching this step (the step before it done, or its launch) to its result copied.
+            # From the GPU reaching this step's forward (the step before it done, or its launch) to its result
+            # copied.
             result.device_seconds = p.begun.elapsed_time(p.done) / 1e3
         for r, row in zip(p.reqs, p.host.tolist()):
             a = int(row[0])
@@ -402,5 +402,5 @@ class PendingStep:
     host: torch.Tensor  # the packed result (pinned on CUDA)
     done: torch.cuda.Event | None  # recorded after the copy (None off CUDA: already there)
     started: float
-    begun: torch.cuda.Event | None = None  # recorded before the step's first copy (None off CUDA)
+    begun: torch.cuda.Event | None = None  # recorded before the step's forward (None off CUDA)
     overlappable: bool = True  # a decode step: the engine may launch the next one before reading this

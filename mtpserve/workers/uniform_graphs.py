@@ -46,6 +46,7 @@ class UniformGraphs:
         self.graphs: dict[tuple[int, StepShape], _Graph] = {}
         self.runs = self.replays = 0  # uniform steps run, and of those replayed from graphs
         self.on_capture: Callable[[], None] | None = None  # told before a capture (it may compile for seconds)
+        self.began: torch.cuda.Event | None = None  # stamped before the last step's forward (None off CUDA)
 
     @torch.inference_mode()
     def run(self, slots: np.ndarray, num_drafts: np.ndarray, shape: StepShape, diffs: StateDiffs
@@ -60,6 +61,9 @@ class UniformGraphs:
         host, counts = diffs.pack(head)
         packed = self.staging.upload(host)  # the step's one host-to-device copy
         self.state.apply(packed[2 * batch :], counts)
+        # The step's device share (design §9) starts here: from the stamp at the step's start it would also
+        # hold the host's launch work above, while the GPU waited for it, and count the host twice.
+        self.began = self.staging.stamp()
         if not self.use_graphs:
             out, raw = self.step(packed[:batch], packed[batch : 2 * batch], shape)
         else:

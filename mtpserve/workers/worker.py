@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mtpserve.boundary.channel import Channel, ChannelClosed
 from mtpserve.errors import CheckpointError
+from mtpserve.workers.heap import freeze_startup_heap
 from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink, Topology
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
 from mtpserve.workers.models.loader import CheckpointLoader, ModelSource, load_model
@@ -76,6 +77,7 @@ class Worker:
         self.runner = _build_target(spec, device, tp_group) if spec.role == "target" else _build_drafter(spec, device)
         self.channel = Channel.connect(driver, timeout=spec.timeout_s, token=token)
         self.channel.send(("hello", spec.rank))
+        freeze_startup_heap()  # this process now only serves: its start-up heap need never be walked again
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def serve(self) -> None:
