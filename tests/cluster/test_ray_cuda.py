@@ -1,0 +1,76 @@
+"""The Ray path on CUDA GPUs (needs >= 2): tensor parallelism over NCCL and the drafter group on its own GPU.
+
+test_ray_equivalence.py runs these layouts on CPU over gloo; here they run as they serve, one Ray actor per
+GPU and NCCL between them. The default model in float32, greedy, k = 0 and k = 3: every request's tokens
+must equal the in-process engine's on one GPU. benchmarks/ray_gpu.py is the same check with timings.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+if torch.cuda.device_count() < 2:
+    pytest.skip(f"needs 2 CUDA GPUs (tensor-parallel ranks and the drafter group over NCCL); this machine has "
+                f"{torch.cuda.device_count()}", allow_module_level=True)
+ray = pytest.importorskip("ray", reason="the multi-GPU layouts run on Ray actors")
+
+from mtpserve import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a Ray instance and its GPU workers
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+           "def read_lines(path):\n    with open(path) as f:\n", "    for i, item in enumerate(items):\n",
+           "def main(argv=None):\n    parser = argparse.ArgumentParser(", "try:\n    import json\nexcept", "x = ["]
+KS = (0, 3)
+# Float32, so that greedy equality is a fair demand of another summation order (the all-reduce's); a fixed
+# default k, so start-up captures graphs for k = 0 and 3 only; the first fault fails instead of recovering.
+ENGINE = dict(device="cuda", dtype="float32", max_num_seqs=8, num_speculative_tokens=max(KS), max_faults=1)
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+            for k in KS for _ in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM(**ENGINE)
+    try:
+        outs = [o.token_ids for o in llm.generate(PROMPTS * len(KS), _params())]
+    finally:
+        llm.shutdown()
+    del llm
+    gc.collect()  # the runner's CUDA graphs and KV pools: GPU 0 is a Ray worker's next
+    torch.cuda.empty_cache()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # Not ray_helpers.start_local_ray: the GPUs are named, so placement cannot wait on a detection that missed
+    # them. Workers inherit this environment: NVLink multicast stays off (shared GPU hosts forbid it).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(drafter_devices=1)],
+                         ids=["tp2-nccl", "tp1-drafter-gpu"])
+def test_matches_single_gpu(reference: list[list[int]], local_ray, layout: dict) -> None:
+    llm = LLM(**ENGINE, **layout)
+    try:
+        outs = llm.generate(PROMPTS * len(KS), _params())
+    finally:
+        llm.shutdown()
+    for i, (o, expected) in enumerate(zip(outs, reference)):
+        k = KS[i // len(PROMPTS)]
+        pos = next((j for j, (a, b) in enumerate(zip(o.token_ids, expected)) if a != b), None)
+        assert o.token_ids == expected, (f"k={k}, prompt {i % len(PROMPTS)}: first difference at token "
+                                         f"{pos if pos is not None else min(len(o.token_ids), len(expected))}")
+    drafted = [o for o in outs[len(PROMPTS):] if o.accepted_per_step]
+    assert drafted and sum(o.accepted_tokens for o in drafted) > 0, "k=3: drafts verified and some accepted"
