@@ -228,7 +228,7 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
             costs = adaptive.costs.costs(c)
             print(f"  auto {prefix}: steps per chosen k {dict(enumerate(steps.tolist()))}, "
                   f"requests caught up {runner.num_catch_ups - before[1]}; step cost / k=0 at the end "
-                  f"{np.round(costs / costs[0], 2).tolist()} (host now {adaptive.costs.host(c) * 1e3:.3f} ms, "
+                  f"{np.round(costs / costs[0], 2).tolist()} (host now {adaptive.costs.host_line(c)[0] * 1e3:.3f} + {adaptive.costs.host_line(c)[1] * 1e3:.4f}/token ms, "
                   f"device {np.round(adaptive.costs.device(c) * 1e3, 3).tolist()} ms), "
                   f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
         return run

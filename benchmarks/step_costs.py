@@ -41,10 +41,10 @@ class LapRecorder:
         observe = StepCosts.observe
 
         def recorded(costs: StepCosts, batch: int, k: int, device: float, host: float = 0.0,
-                     overlapped: bool = False) -> None:
+                     overlapped: bool = False, tokens: float = 0.0) -> None:
             self.samples.setdefault(k, []).append((device, host))
             self.overlapped = overlapped
-            observe(costs, batch, k, device, host, overlapped)
+            observe(costs, batch, k, device, host, overlapped, tokens)
 
         StepCosts.observe = recorded
 
@@ -69,8 +69,14 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
           f"AL {run.spec.acceptance_length:.2f}; samples per k (ms: median/p10/p90) {laps.summary()}")
     costs = engine.adaptive.costs
     print(f"  cost row (ms) {np.round(costs.costs(c) * 1e3, 3).tolist()} = "
-          f"{'max' if laps.overlapped else 'sum'}(host now {costs.host(c) * 1e3:.3f}, "
+          f"{'max' if laps.overlapped else 'sum'}(host now {_line(costs, c)}, "
           f"device {np.round(costs.device(c) * 1e3, 3).tolist()})")
+
+
+def _line(costs: StepCosts, c: int) -> str:
+    """The bucket's host share now, as printed: 'a + b/token ms (median m)'."""
+    a, b, median = costs.host_line(c)
+    return f"{a * 1e3:.3f} + {b * 1e3:.4f}/token ms (median {median * 1e3:.3f})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,7 +232,8 @@ class LLMEngine:
             overlapped = self._async and result.device_seconds > 0
             device = result.device_seconds if overlapped else inside + waited
             host = seconds - (waited if overlapped else inside + waited)
-            self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped)
+            tokens = sum(result.num_accepted) + len(result.num_accepted)
+            self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped, tokens)
 
     def _prompt_tokens(self, plan: StepPlan) -> int:
         """Prompt tokens this plan computes (recomputation after preemption counts again)."""

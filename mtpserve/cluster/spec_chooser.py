@@ -215,7 +215,7 @@ class AdaptiveSpec:
         if self._held >= self.dwell:
             t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)
-            costs = self.costs.costs(rows.size)
+            costs = self.costs.costs(rows.size, base + np.concatenate(([0.0], np.cumsum(gains))))  # tokens per k
             k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).

@@ -7,11 +7,12 @@ kept apart because they behave differently:
 * D_k depends on k and hardly moves: per cell, the lower median of its last `cost_window` samples
   (CUDA events around the step on the device; the time inside the executor where it runs serially),
   seeded at start-up by timing the captured graphs, and estimated where neither exists.
-* H hardly depends on k but moves with the host: on the H100's host one op's time moved 2x inside one
-  run. Per bucket, the lower median of its last `cost_window` samples at any k, so every k is priced
-  with the host as it is now. Comparing whole-lap medians of cells measured at different times had
-  read k = 4 as 4.4x k = 0 at c = 1 where the steps were about 1.4x, and auto picked k's that the
-  fixed-k runs beat.
+* H moves with the host (on the H100's host one op's time moved 2x inside one run) and grows with the
+  tokens a step emits (postprocessing is per token: at c = 8 on the H100, 0.73 ms at k = 0 and 1.25 ms
+  at k = 4). Per bucket, a line H = a + b * tokens through its last HOST_WINDOW samples at any k, so
+  every k is priced with the host as it is now and the tokens that k would emit. Comparing whole-lap
+  medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1 where the steps
+  were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class StepCosts:
     """
 
     REFIT = 32
+    HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
         self.max_k, self.window, self.per_draft_cost = max_k, window, per_draft_cost
@@ -49,7 +51,7 @@ class StepCosts:
         self.seeds = np.full(shape, np.nan)  # start-up timings
         self.samples = np.zeros(shape, dtype=np.int64)
         self.recent = np.full(shape + (window,), np.nan)  # the last device samples, a ring
-        self.host_recent = np.full((len(self.buckets), window), np.nan)  # the last host samples, any k
+        self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 2), np.nan)  # (host, tokens), any k
         self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
         self.overlapped = np.zeros(len(self.buckets), dtype=bool)  # how the last sample's step ran
         self._count = 0
@@ -62,14 +64,16 @@ class StepCosts:
     def bucket(self, batch: int) -> int:
         return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
 
-    def observe(self, batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False) -> None:
-        """A timed decode step of `batch` requests whose chain ran k drafts: `device` seconds of its own work
-        on the device, `host` seconds of the host's in its lap; `overlapped`: the two ran side by side."""
+    def observe(self, batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
+                tokens: float = 0.0) -> None:
+        """A timed decode step of `batch` requests whose chain ran k drafts and that emitted `tokens`: `device`
+        seconds of its own work on the device, `host` seconds of the host's in its lap; `overlapped`: the
+        two ran side by side."""
         b = self.bucket(batch)
         first = self.samples[b, k] == 0
         self.recent[b, k, self.samples[b, k] % self.window] = device
         self.samples[b, k] += 1
-        self.host_recent[b, self.host_samples[b] % self.window] = host
+        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host, tokens
         self.host_samples[b] += 1
         self.overlapped[b] = overlapped
         if first:
@@ -88,17 +92,37 @@ class StepCosts:
         b = self.bucket(batch)
         return not (np.isnan(self.seconds[b, k]) and np.isnan(self.seeds[b, k]))
 
-    def costs(self, batch: int) -> np.ndarray:
-        """[K + 1] seconds of a step at each k for this batch size (a unitless prior before any timing)."""
+    def costs(self, batch: int, tokens: np.ndarray | None = None) -> np.ndarray:
+        """[K + 1] seconds of a step at each k for this batch size, emitting tokens[k] tokens (None: the
+        host's share as it is now at every k; a unitless prior before any timing)."""
         b = self.bucket(batch)
-        device, host = self.device(batch), self.host(batch)
+        device, host = self.device(batch), self.host(batch, tokens)
         return np.maximum(host, device) if self.overlapped[b] else host + device
 
-    def host(self, batch: int) -> float:
-        """The host's share of a step in this batch's bucket now: the lower median of its recent samples."""
+    def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
+        """The host's share of a step in this batch's bucket now, for steps emitting `tokens`: on the line
+        through its recent samples where their tokens vary enough to draw one, else their lower median."""
+        if tokens is None:
+            return self.host_line(batch)[2]
+        a, slope, _ = self.host_line(batch)
+        return np.maximum(a + slope * np.asarray(tokens, dtype=np.float64), 0.0)
+
+    def host_line(self, batch: int) -> tuple[float, float, float]:
+        """(a, b, median) of the bucket's recent host samples: seconds = a + b * tokens, and their lower
+        median; zeros before any sample."""
         b = self.bucket(batch)
-        n = min(self.host_samples[b], self.window)
-        return float(np.sort(self.host_recent[b])[(n - 1) // 2]) if n else 0.0
+        n = min(self.host_samples[b], self.HOST_WINDOW)
+        if n == 0:
+            return 0.0, 0.0, 0.0
+        seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]
+        last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
+        now = np.sort(seconds[last])
+        median = float(now[(len(now) - 1) // 2])
+        # The slope from the whole window (tokens vary across it), the level from its newest samples only:
+        # the host's speed drifts, and a change must show within a cell's window, not the line's.
+        slope = _host_slope(seconds, emitted, float(np.median(seconds)))
+        level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
+        return float(level), slope, median
 
     def device(self, batch: int) -> np.ndarray:
         """[K + 1] device seconds of a step at each k for this batch size (estimated where not measured)."""
@@ -147,6 +171,17 @@ class StepCosts:
         level = np.where(n > 0, level, 1.0)
         fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
         return np.where(np.isnan(known), fitted, known)
+
+
+def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float:
+    """b of host seconds = a + b * tokens by least squares, leaving out stretched samples (over twice the
+    median: a GC pause, the OS); 0 where tokens hardly vary (one k at a large batch: the slope would be
+    noise) or the fit slopes down."""
+    keep = seconds <= 2.0 * median
+    x, y = tokens[keep], seconds[keep]
+    if x.size < 8 or x.std() < 0.05 * max(x.mean(), 1e-9):
+        return 0.0
+    return max(float(np.cov(x, y, bias=True)[0, 1] / x.var()), 0.0)
 
 
 def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

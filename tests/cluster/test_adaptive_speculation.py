@@ -187,10 +187,11 @@ def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Calla
     samples: list[float] = []
     observe = StepCosts.observe
 
-    def observed(self: StepCosts, batch: int, k: int, device: float, host: float, overlapped: bool) -> None:
+    def observed(self: StepCosts, batch: int, k: int, device: float, host: float, overlapped: bool,
+                 tokens: float) -> None:
         assert not overlapped, "no device timed the step: the CPU runs it inside the launch"
         samples.append(device + host)
-        observe(self, batch, k, device, host, overlapped)
+        observe(self, batch, k, device, host, overlapped, tokens)
 
     monkeypatch.setattr(StepCosts, "observe", observed)
     return llm, samples, clock  # clock.now: the engine's time
@@ -250,9 +251,11 @@ def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path,
     by a quarter whenever the scheduler plans an overlapped step."""
     llm, _, clock = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 1.0)
     shares: list[tuple[float, float]] = []
+    emitted: list[tuple[int, float]] = []
     observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped: (
-        shares.append((device, host)), observe(self, batch, k, device, host, overlapped)))
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens: (
+        shares.append((device, host)), emitted.append((batch, tokens)),
+        observe(self, batch, k, device, host, overlapped, tokens)))
     scheduler = llm.engine.scheduler
     plan_overlapped = scheduler.schedule_overlapped
 
@@ -264,3 +267,5 @@ def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path,
     llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
     assert len(shares) > 10 and set(shares) == {(1.0, 0.25)}, sorted(set(shares))
     assert llm.engine.adaptive.costs.host(5) == 0.25
+    # and the tokens each step emitted, which the host's share grows with: one per request and its accepted drafts
+    assert all(batch <= tokens <= batch * 4 for batch, tokens in emitted) and any(t > b for b, t in emitted)
