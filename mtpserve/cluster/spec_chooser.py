@@ -41,7 +41,7 @@ class AdaptiveConfig:
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
-    max_dwell: int = 64
+    max_dwell: int = 128
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
     # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
     choice_share: float = 0.02
@@ -197,6 +197,7 @@ class AdaptiveSpec:
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
         self.dwell = config.min_dwell  # steps the last choice holds
         self.active = False  # whether the last choice had an adaptive request to choose for
+        self._bucket = -1  # the batch bucket of the last full choice
 
     def admit(self, cap: int, adaptive: bool) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k."""
@@ -212,7 +213,12 @@ class AdaptiveSpec:
         self.active = rows.size > 0 and bool(t.adaptive.take(rows).any())
         if not self.active:
             return self.k
-        if self._held >= self.dwell:
+        bucket = self.costs.bucket(rows.size)
+        # The dwell holds a choice for its batch only: one made while the batch ramps up (requests admitted a
+        # few dozen a step) was priced for a smaller bucket (the T = 1 matrix at c = 256 on the H100 ran k = 0
+        # for 55 to 104 steps, then caught up every request).
+        if self._held >= self.dwell or (bucket != self._bucket and self._held >= self.config.min_dwell):
+            self._bucket = bucket
             t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)
             costs = self.costs.costs(rows.size, base + np.concatenate(([0.0], np.cumsum(gains))))  # tokens per k

@@ -53,7 +53,7 @@ class StepCosts:
         self.recent = np.full(shape + (window,), np.nan)  # the last device samples, a ring
         self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 2), np.nan)  # (host, tokens), any k
         self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
-        self.overlapped = np.zeros(len(self.buckets), dtype=bool)  # how the last sample's step ran
+        self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self._count = 0
         self._slope = per_draft_cost
         self._table = self._estimate()  # device estimates
@@ -75,7 +75,7 @@ class StepCosts:
         self.samples[b, k] += 1
         self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host, tokens
         self.host_samples[b] += 1
-        self.overlapped[b] = overlapped
+        self.overlapped = overlapped
         if first:
             self.seconds[b, k] = device  # marks the cell measured; its median waits for `costs`
         self._count += 1
@@ -97,7 +97,7 @@ class StepCosts:
         host's share as it is now at every k; a unitless prior before any timing)."""
         b = self.bucket(batch)
         device, host = self.device(batch), self.host(batch, tokens)
-        return np.maximum(host, device) if self.overlapped[b] else host + device
+        return np.maximum(host, device) if self.overlapped else host + device
 
     def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
         """The host's share of a step in this batch's bucket now, for steps emitting `tokens`: on the line
@@ -109,11 +109,20 @@ class StepCosts:
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
         """(a, b, median) of the bucket's recent host samples: seconds = a + b * tokens, and their lower
-        median; zeros before any sample."""
+        median. A bucket without samples (one a batch passes through while it ramps up) borrows the
+        nearest sampled bucket's, its per-step part scaled by the batch sizes: the host's share grows
+        with the requests it handles, and a row of device time alone would price drafts as if the host
+        were free. Zeros before any sample."""
         b = self.bucket(batch)
         n = min(self.host_samples[b], self.HOST_WINDOW)
         if n == 0:
-            return 0.0, 0.0, 0.0
+            sampled = np.flatnonzero(self.host_samples)
+            if sampled.size == 0:
+                return 0.0, 0.0, 0.0
+            near = int(sampled[np.argmin(np.abs(np.log(self.buckets[sampled] / self.buckets[b])))])
+            a, slope, median = self.host_line(int(self.buckets[near]))
+            scale = self.buckets[b] / self.buckets[near]
+            return a * scale, slope, median * scale
         seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]
         last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
         now = np.sort(seconds[last])
@@ -133,9 +142,9 @@ class StepCosts:
             self._stale[:] = False
         elif self._stale[b]:
             self._update_medians(slice(b, b + 1))
-            measured = self.seconds[b]
-            # Every k measured (the usual case once serving): the row is its medians, no model to evaluate.
-            self._table[b] = measured if not np.isnan(measured).any() else self._estimate(b)[0]
+            known = self._known(self.seconds[b : b + 1], self.seeds[b : b + 1])[0]
+            # Every k measured or seeded (the usual case once serving): no line to fit.
+            self._table[b] = known if not np.isnan(known).any() else self._estimate(b)[0]
             self._stale[b] = False
         return self._table[b]
 
@@ -162,13 +171,20 @@ class StepCosts:
 
     def _estimate(self, bucket: int | None = None) -> np.ndarray:
         """Known where known; elsewhere the bucket's own line through its known k (two or more), else
-        1 + slope * k scaled to its one known cost (or unscaled: nothing known)."""
+        1 + slope * k scaled to its one known cost, or to the nearest bucket's level where it knows none
+        (device time grows slowly with the batch; unscaled where no bucket knows any)."""
+        known_all = self._known(self.seconds, self.seeds)
+        ks = np.arange(known_all.shape[1])
+        levels = np.nanmax(np.where(np.isnan(known_all), -np.inf, known_all / (1.0 + self._slope * ks)), axis=1)
+        some = np.flatnonzero(~np.isnan(known_all).all(axis=1))
+        if some.size:  # each bucket's nearest one with a known k, itself where it has one
+            gap = np.abs(np.log(self.buckets[:, None] / self.buckets[some][None, :]))
+            levels = levels[some[np.argmin(gap, axis=1)]]
+        else:
+            levels = np.ones(len(self.buckets))
         rows = slice(None) if bucket is None else slice(bucket, bucket + 1)
-        known = self._known(self.seconds[rows], self.seeds[rows])
-        ks = np.arange(known.shape[1])
+        known, level = known_all[rows], levels[rows]
         a, b, n = _line_fit(known)
-        level = np.nanmax(np.where(np.isnan(known), -np.inf, known / (1.0 + self._slope * ks)), axis=1)
-        level = np.where(n > 0, level, 1.0)
         fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
         return np.where(np.isnan(known), fitted, known)
 

@@ -409,3 +409,28 @@ def test_the_dwell_grows_until_choices_cost_a_small_share_of_the_steps() -> None
     for _ in range(200):
         spec.choose(rows)
     assert spec.dwell == 64
+
+
+def test_a_bucket_without_host_samples_borrows_the_nearest_ones_scaled_by_batch() -> None:
+    costs = StepCosts(K, 256)
+    for _ in range(16):
+        costs.observe(256, 4, 1e-3, host=10e-3, overlapped=True, tokens=900)
+    a, slope, median = costs.host_line(64)  # bucket 64 never ran a timed step
+    assert slope == 0.0 and a == median == 10e-3 * 64 / 256
+    np.testing.assert_allclose(costs.costs(64), np.maximum(2.5e-3, costs.device(64)))
+
+
+def test_a_choice_made_while_the_batch_ramps_up_holds_only_for_its_bucket() -> None:
+    """Requests admitted a few dozen a step: a choice made at 32 rows must not hold for a long dwell once
+    the batch is 256, where other costs apply."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=256, min_dwell=8, max_dwell=128))
+    for k in range(K + 1):
+        spec.costs.seed(32, k, 1e-3 * (1 + 3 * k))  # at 32 rows drafts cost more than they earn: k = 0
+        spec.costs.seed(256, k, 1e-3 * (1 + 0.05 * k))  # at 256 they are nearly free: k = K
+    rows = np.array([spec.admit(K, True) for _ in range(256)])
+    spec.acceptance.set(rows, np.full((K, 256), 0.8))
+    spec.dwell = spec.config.max_dwell
+    assert spec.choose(rows[:32]) == 0
+    spec.dwell = spec.config.max_dwell  # as a slow choice would set it
+    ks = [spec.choose(rows) for _ in range(spec.config.min_dwell)]
+    assert ks[-1] == K and ks.count(0) == spec.config.min_dwell - 1

