@@ -127,6 +127,9 @@ class KVBlockManager:
         None (and no change) when any group lacks blocks. New admissions keep a watermark of free
         blocks so that running requests can still grow without immediate preemption.
         """
+        table = self.tables.get(req_id)
+        if table is not None and all(n <= len(t) * self.block_size for n, t in zip(slots, table)):
+            return [[] for _ in table]  # the usual decode step: its blocks already cover it
         missing = self._missing(req_id, slots)
         reserve = self.watermark_blocks if keep_watermark else 0
         if any(m > pool.num_free - reserve for m, pool in zip(missing, self.pools)):

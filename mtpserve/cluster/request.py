@@ -45,6 +45,11 @@ class Request:
     live_spec: int = -1  # drafts whose modules are all committed to the frontier (-1: all of num_spec)
     lag_from: int | None = None  # where the modules past live_spec began to lag (a catch-up rewinds about there)
 
+    def __post_init__(self) -> None:
+        # Built once: append_verified runs per request per step, on the engine's hot path.
+        self._stops = frozenset(self.params.stop_token_ids) | frozenset(
+            () if self.params.ignore_eos else self.eos_token_ids)
+
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
@@ -60,8 +65,7 @@ class Request:
 
     def append_verified(self, tokens: list[int]) -> int:
         """Append sampled tokens up to the first stop condition; returns how many were kept."""
-        params = self.params
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stops = self._stops
         for i, token in enumerate(tokens):
             self.token_ids.append(token)
             if token in stops:
