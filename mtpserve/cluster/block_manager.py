@@ -180,13 +180,17 @@ class KVBlockManager:
         (queries, hits), self._reported = self._reported, (list(self.queries), list(self.hits))
         return [a - b for a, b in zip(self.queries, queries)], [a - b for a, b in zip(self.hits, hits)]
 
+    def offer_due(self, req_id: str, num_computed: int) -> bool:
+        """Whether offer_committed could find a newly full block (asked per request and step: cheap)."""
+        return self.enable_caching and num_computed >= self._next_offer.get(req_id, 0)
+
     def offer_committed(self, req_id: str, token_ids: list[int], num_computed: int, hashes: list[list[bytes]],
                         groups: tuple[int, ...], module_limit: int | None = None) -> None:
         """Offer the request's newly full, committed blocks to the cache (cheap when there are none).
 
         module_limit: the MTP groups (1, 2, ...) are offered only below it (their modules may lag past it).
         """
-        if not self.enable_caching or num_computed < self._next_offer.get(req_id, 0):
+        if not self.offer_due(req_id, num_computed):
             return
         bs, n = self.block_size, len(token_ids)
         offered = self._offered.setdefault(req_id, [0] * len(self.pools))

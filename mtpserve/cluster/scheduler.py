@@ -261,7 +261,7 @@ class Scheduler:
 
     def _offer(self, req: Request) -> None:
         """Newly committed full blocks become reusable (a no-op until a block fills)."""
-        if req.status == Status.RUNNING and self.blocks.enable_caching:
+        if req.status == Status.RUNNING and self.blocks.offer_due(req.request_id, req.num_computed):
             self.blocks.offer_committed(req.request_id, req.token_ids, req.num_computed, req.block_hashes,
                                         self._groups(req), req.modules_exact_upto)
 
