@@ -12,6 +12,8 @@ with a reference is never handed out.
 
 from __future__ import annotations
 
+import sys
+
 from collections import OrderedDict, deque
 
 from mtpserve.cluster.prefix_cache import extend_hashes, group_lookahead, num_hashable_blocks
@@ -204,7 +206,13 @@ class KVBlockManager:
                 for b in range(offered[g], upto):
                     self.pools[g].register(table[g][b], hashes[g][b])
                 offered[g] = upto
-        self._next_offer[req_id] = (min(offered[g] for g in groups) + 1) * bs
+        # Due again when some group's next block can be full and hashable: a module's block waits for its
+        # lookahead's tokens (n >= num_computed, so n - a covers it once num_computed reaches the bound
+        # below), and a module capped by module_limit never gets past it. Due from the target's bound alone,
+        # a third of the checks ran the loop above for nothing while a module's block waited for tokens.
+        self._next_offer[req_id] = min(
+            ((offered[g] + 1) * bs + group_lookahead(g) for g in groups
+             if g == 0 or module_limit is None or module_limit >= (offered[g] + 1) * bs), default=sys.maxsize)
 
     def forget_cached(self) -> None:
         """The workers holding the pools were replaced: no cached block holds KV any more."""
