@@ -197,7 +197,7 @@ class AdaptiveSpec:
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
         self.dwell = config.min_dwell  # steps the last choice holds
         self.active = False  # whether the last choice had an adaptive request to choose for
-        self._bucket = -1  # the batch bucket of the last full choice
+        self._bucket = -len(self.costs.buckets)  # the batch bucket of the last full choice (none yet: far)
         # The rows of the last call, their bucket and whether any is adaptive (numpy calls cost ~3 us each on
         # the H100's host: per step only when the running set changed).
         self._rows: np.ndarray | None = None
@@ -222,8 +222,12 @@ class AdaptiveSpec:
             return self.k
         # The dwell holds a choice for its batch only: one made while the batch ramps up (requests admitted a
         # few dozen a step) was priced for a smaller bucket (the T = 1 matrix at c = 256 on the H100 ran k = 0
-        # for 55 to 104 steps, then caught up every request).
-        if self._held >= self.dwell or (bucket != self._bucket and self._held >= self.config.min_dwell):
+        # for 55 to 104 steps, then caught up every request). A batch two or more buckets away (about 2x) is
+        # chosen for at once: the k a drained batch of one chose would otherwise prefill the next 256
+        # prompts with part of their chains, and all of them were caught up when k rose (a choice trace on
+        # the H100, T = 1, c = 256).
+        moved = abs(bucket - self._bucket)
+        if self._held >= self.dwell or (moved and (self._held >= self.config.min_dwell or moved >= 2)):
             self._bucket = bucket
             t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)

@@ -252,7 +252,7 @@ def test_settles_near_the_best_k_from_noisy_steps(p: float, slope: float) -> Non
     """Simulated serving: 16 requests whose drafts are accepted with probability p per position, steps
     costing 1 + slope * k with 20 % noise, estimates and costs learned from those steps only (no seeds)."""
     rng = np.random.default_rng(1)
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, max_dwell=8))  # a dwell that load cannot stretch
     rows = np.array([spec.admit(K, True) for _ in range(16)])
     ks = [_serve_step(spec, rows, p, lambda k: (1.0 + slope * k) * rng.uniform(0.8, 1.2), rng) for _ in range(600)]
     tokens = [1 + sum(p**j for j in range(1, k + 1)) for k in range(K + 1)]
@@ -274,7 +274,7 @@ def test_requests_coming_and_going_settle_on_the_best_k_from_seeded_costs(p: flo
     """Serving as on the GPU: costs seeded from device-only graph timings, real steps costing more by host time,
     and requests of ~40 steps replaced as they finish, each new one starting from the engine-wide prior."""
     rng = np.random.default_rng(3)
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, max_dwell=8))  # a dwell that load cannot stretch
     for k, us in enumerate(GRAPH_US):
         spec.costs.seed(8, k, us * 1e-6)
     rows, life = np.array([spec.admit(K, True) for _ in range(8)]), rng.integers(1, 40, 8)
@@ -315,7 +315,7 @@ def _drifting_host(p: float, seed: int, split: bool) -> float:
     share of a step 250 us for 500 steps, then 1000 us for 500, and so on (+-10 %); -> expected tokens per
     second over the best k's of each step. `split`: steps observed as host and device shares (else as laps)."""
     rng = np.random.default_rng(seed)
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, max_dwell=8))  # a dwell that load cannot stretch
     device = np.array(GRAPH_US) * 1e-6
     for k, seconds in enumerate(device):
         spec.costs.seed(1, k, seconds)
@@ -346,7 +346,7 @@ def _one_at_a_time(strength: float, seed: int) -> float:
     """Requests of 35 steps one after another at acceptance 0.85, real steps as on the H100 at c=1 (the
     host's 380 us floor, device graphs above it); -> expected tokens per second over the best k's."""
     rng = np.random.default_rng(seed)
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, prior_strength=strength))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, prior_strength=strength, max_dwell=8))
     for k, us in enumerate(GRAPH_US):
         spec.costs.seed(1, k, us * 1e-6)
     real_us = [max(380.0, us + 60.0) for us in GRAPH_US]
@@ -432,5 +432,8 @@ def test_a_choice_made_while_the_batch_ramps_up_holds_only_for_its_bucket() -> N
     spec.dwell = spec.config.max_dwell
     assert spec.choose(rows[:32]) == 0
     spec.dwell = spec.config.max_dwell  # as a slow choice would set it
-    ks = [spec.choose(rows) for _ in range(spec.config.min_dwell)]
+    ks = [spec.choose(rows[:48]) for _ in range(spec.config.min_dwell)]  # the next bucket: after min_dwell
     assert ks[-1] == K and ks.count(0) == spec.config.min_dwell - 1
+    spec.acceptance.set(rows[:1], np.zeros((K, 1)))  # a drained batch of one whose drafts fail: k = 0 ...
+    assert spec.choose(rows[:1]) == 0 and spec._held == 0
+    assert spec.choose(rows) == K  # ... and the next 256 requests, chosen for at once: their prefill runs K
