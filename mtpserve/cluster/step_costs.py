@@ -95,7 +95,6 @@ class StepCosts:
     def costs(self, batch: int, tokens: np.ndarray | None = None) -> np.ndarray:
         """[K + 1] seconds of a step at each k for this batch size, emitting tokens[k] tokens (None: the
         host's share as it is now at every k; a unitless prior before any timing)."""
-        b = self.bucket(batch)
         device, host = self.device(batch), self.host(batch, tokens)
         return np.maximum(host, device) if self.overlapped else host + device
 
