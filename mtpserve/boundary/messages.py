@@ -35,7 +35,8 @@ class StepPlan:
     req_ids: list[str] = field(default_factory=list)  # scheduled requests, in batch order
     num_tokens: list[int] = field(default_factory=list)  # verified tokens to compute per request
     num_drafts: list[int] = field(default_factory=list)  # drafts to verify (only when reaching the frontier)
-    new_block_ids: list[list[list[int]]] = field(default_factory=list)  # per request, per group: appended blocks
+    # Per request, per group: appended blocks; [] when no group grew (most decode steps).
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)
     freed_ids: list[str] = field(default_factory=list)  # finished, aborted or preempted: drop worker state
     # Per request: drafts its chain makes this step (adaptive speculation chooses it per step, at most the
     # request's num_spec; docs/design.md §9). Empty: every request's own num_spec.

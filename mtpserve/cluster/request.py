@@ -28,6 +28,9 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # target KV positions committed
     num_drafts: int = 0  # drafts the workers hold for the next verification
+    # The furthest end (num_computed + tokens + drafts) a step can reach without new KV blocks in any group
+    # the request uses, drafting included (-1: unknown): a decode step then skips the block manager.
+    kv_room: int = -1
     finish_reason: str | None = None
     accepted_per_step: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
@@ -65,13 +68,15 @@ class Request:
 
     def append_verified(self, tokens: list[int]) -> int:
         """Append sampled tokens up to the first stop condition; returns how many were kept."""
-        stops = self._stops
+        stops, left = self._stops, self.tokens_left
         for i, token in enumerate(tokens):
-            self.token_ids.append(token)
             if token in stops:
                 self.finish_reason = "stop"
-            elif self.tokens_left <= 0:
+            elif i + 1 >= left:  # no tokens left once this one is appended
                 self.finish_reason = "length"
-            if self.finish_reason:
-                return i + 1
+            else:
+                continue
+            self.token_ids += tokens[: i + 1]
+            return i + 1
+        self.token_ids += tokens
         return len(tokens)

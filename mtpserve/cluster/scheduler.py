@@ -96,11 +96,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n, d = self._chunk(req, budget)
+            spec = self._spec(req)
+            n, d = self._chunk(req, budget, spec)
             new_blocks = self._grow(req, n, d, plan)
             if new_blocks is None:
                 break  # `req` itself was the newest and got preempted
-            self._add_to_plan(plan, req, n, d, new_blocks)
+            self._add_to_plan(plan, req, n, d, new_blocks, spec)
             budget -= n + d
             i += 1
         # After a preemption, admitting new work would only evict it again.
@@ -111,7 +112,8 @@ class Scheduler:
             groups = self._groups(req)
             # A prefix-cache hit: every group the request uses starts past the cached blocks.
             req.num_computed = self.blocks.share_cached_prefix(req.request_id, req.token_ids, req.block_hashes, groups)
-            n, d = self._chunk(req, budget)
+            spec = self._spec(req)
+            n, d = self._chunk(req, budget, spec)
             if self.blocks.allocate(req.request_id, self._slots(req, n, d), keep_watermark=True) is None:
                 self.blocks.free(req.request_id)
                 req.num_computed = 0
@@ -124,7 +126,7 @@ class Scheduler:
             if self.adaptive is not None:
                 req.spec_row = self.adaptive.admit(req.num_spec, req.adaptive)
             plan.new_requests.append(self._new_request(req))
-            self._add_to_plan(plan, req, n, d, [[] for _ in self.blocks.pools])
+            self._add_to_plan(plan, req, n, d, [], spec)
             budget -= n + d
         return plan
 
@@ -154,10 +156,10 @@ class Scheduler:
             if spec > made:  # k rises: the workers find lagging modules from their host state, which the step
                 return None  # in flight has yet to advance, so the engine drains first
             d = max(0, min(made, spec, budget - 1, left - 1))
-            new_blocks = self.blocks.allocate(req.request_id, self._slots(req, 1 + ahead, d, final=True))
+            new_blocks = self._allocate(req, 1 + ahead, d, final=True)
             if new_blocks is None:
                 return None  # the synchronous path may preempt
-            self._add_to_plan(plan, req, 1, d, new_blocks)
+            self._add_to_plan(plan, req, 1, d, new_blocks, spec)
             budget -= 1 + d
         if not plan.req_ids:
             return None
@@ -171,7 +173,8 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_computed += n
-                self._offer(req)
+                if req.num_computed < len(req.token_ids):  # mid-prompt; one that sampled is offered below
+                    self._offer(req)
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
         made = dict(zip(plan.req_ids, plan.num_spec))
         advanced, seen = [], []
@@ -183,6 +186,7 @@ class Scheduler:
                 req.token_ids.append(req.resume_token)
                 req.resume_token = None
                 req.num_computed, req.num_drafts = len(req.token_ids) - 1, made.get(req_id, req.num_spec)
+                self._offer(req)
                 continue
             kept = req.append_verified(tokens)
             # The last token is sampled but not yet fed to the target: it is input to the next step.
@@ -229,19 +233,19 @@ class Scheduler:
             self.adaptive.release(req.spec_row)
             req.spec_row = -1
 
-    def _chunk(self, req: Request, budget: int) -> tuple[int, int]:
-        """Tokens to compute and drafts to verify this step, within the token budget."""
+    def _chunk(self, req: Request, budget: int, spec: int) -> tuple[int, int]:
+        """Tokens to compute and drafts to verify this step, within the token budget (spec: _spec(req))."""
         remaining = len(req.token_ids) - req.num_computed
         n = min(remaining, budget)
         if n < remaining:
             return n, 0
-        if 0 <= req.live_spec < self._spec(req):
+        if 0 <= req.live_spec < spec:
             # k rises past modules that lagged: the workers rewind this request (design §9). Without drafts to
             # verify, the recomputation is an aligned prompt chunk, which runs as a graphed prefill step (§8)
             # instead of a general-path pass; the drafts dropped are those of one step, once per rise.
             return n, 0
         # Drafts past what the request may still emit would only be thrown away.
-        return n, max(0, min(req.num_drafts, self._spec(req), budget - n, req.tokens_left - 1))
+        return n, max(0, min(req.num_drafts, spec, budget - n, req.tokens_left - 1))
 
     def _slots(self, req: Request, n: int, d: int, final: bool | None = None) -> list[int]:
         """Positions each KV group must cover this step (docs/design.md §5)."""
@@ -265,9 +269,26 @@ class Scheduler:
             self.blocks.offer_committed(req.request_id, req.token_ids, req.num_computed, req.block_hashes,
                                         self._groups(req), req.modules_exact_upto)
 
+    def _allocate(self, req: Request, n: int, d: int, final: bool | None = None) -> list[list[int]] | None:
+        """The blocks each group gains this step ([]: none, the usual decode step); None when some group lacks
+        free blocks."""
+        if req.num_computed + n + d <= req.kv_room:
+            return []
+        new_blocks = self.blocks.allocate(req.request_id, self._slots(req, n, d, final))
+        if new_blocks is not None:
+            req.kv_room = self._kv_room(req)
+        return new_blocks
+
+    def _kv_room(self, req: Request) -> int:
+        """Request.kv_room from its block tables: module m's group must also hold the `extra` positions its
+        drafts write past the end (_slots with final)."""
+        tables, bs = self.blocks.tables[req.request_id], self.blocks.block_size
+        extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)
+        return min([len(tables[0]) * bs] + [len(t) * bs - e for t, e in zip(tables[1:], extras) if e >= 0])
+
     def _grow(self, req: Request, n: int, d: int, plan: StepPlan) -> list[list[int]] | None:
         while True:
-            new_blocks = self.blocks.allocate(req.request_id, self._slots(req, n, d))
+            new_blocks = self._allocate(req, n, d)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running[-1]
@@ -285,7 +306,7 @@ class Scheduler:
             # Hold the newest token back: the recomputing prefill ends by emitting it again (forced), and
             # drafts from it exactly as the step that produced it did, so seeded sampling is undisturbed.
             req.resume_token = req.token_ids.pop()
-        req.status, req.num_computed, req.num_drafts = Status.WAITING, 0, 0
+        req.status, req.num_computed, req.num_drafts, req.kv_room = Status.WAITING, 0, 0, -1
         req.modules_exact_upto, req.live_spec, req.lag_from = None, -1, None  # the prefill runs every module again
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -316,8 +337,8 @@ class Scheduler:
             num_computed=[req.num_computed if g in self._groups(req) else 0 for g in range(len(self.blocks.pools))],
         )
 
-    def _add_to_plan(self, plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]]) -> None:
-        spec = self._spec(req)
+    def _add_to_plan(self, plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]],
+                     spec: int) -> None:
         if spec < req.num_spec:  # modules past spec stop here until the workers catch them up (§9)
             if req.modules_exact_upto is None:
                 req.modules_exact_upto = req.num_computed

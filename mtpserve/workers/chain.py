@@ -8,6 +8,7 @@ In the recursive chain (EAGLE style) every step runs module 0, at p, p+1, ...
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 CHAIN_MODES = ("depth", "recursive")
 
@@ -25,9 +26,11 @@ def chain_steps(num_drafts: int, num_modules: int, mode: str) -> list[ChainStep]
     return [ChainStep(j, 0) if j <= last else ChainStep(last, j - last) for j in range(num_drafts)]
 
 
-def extra_positions(num_drafts: int, num_modules: int, mode: str) -> list[int]:
-    """Per module: how many positions past p it writes (-1 when the chain does not use it)."""
+@lru_cache(maxsize=None)
+def extra_positions(num_drafts: int, num_modules: int, mode: str) -> tuple[int, ...]:
+    """Per module: how many positions past p it writes (-1 when the chain does not use it). Cached: the
+    scheduler asks per request per step."""
     extra = [-1] * num_modules
     for step in chain_steps(num_drafts, num_modules, mode):
         extra[step.module] = max(extra[step.module], step.offset)
-    return extra
+    return tuple(extra)

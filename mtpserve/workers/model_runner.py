@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -26,15 +26,17 @@ from mtpserve.workers.cuda_graphs import TargetGraphs
 from mtpserve.workers.device import Staging, to_device
 from mtpserve.workers.drafter import Drafter, TargetRows
 from mtpserve.workers.kv_cache import KVPools
+from mtpserve.workers.packed_result import logprob_dicts, result_from_rows, top_logprobs
 from mtpserve.workers.prefill_graphs import PrefillGraphs, finish_prefill
 from mtpserve.workers.prefill_step import PrefillStep
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify
 from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
                                        uniforms)
-from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs, sampling_flags
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs
 from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
                                     sampling_tensors)
+from mtpserve.workers.uniform_batch import UniformBatches
 from mtpserve.workers.uniform_graphs import UniformGraphs
 from mtpserve.workers.uniform_step import StepShape, UniformStep
 
@@ -84,6 +86,7 @@ class ModelRunner:
             model.mtp, model.target.embed_tokens, model.target.lm_head, self.kv.mtp, self.slots,
             config.block_size, config.chain_mode, config.draft_top_m, self.vocab)
         self.requests: dict[str, CachedRequest] = {}
+        self.batches = UniformBatches(self.vocab)
         max_len = config.max_model_len or cfg.max_position
         graphs = config.cuda_graphs and device.type == "cuda"
         self.diffs: StateDiffs | None = None
@@ -134,6 +137,8 @@ class ModelRunner:
         """Launch a step: a uniform step returns at once with its result on the way to pinned host memory
         (the engine may plan and launch the next one meanwhile); any other step runs to its end here."""
         apply_plan(self.requests, self.slots, plan, self.config.num_mtp_modules, self.diffs)
+        if plan.freed_ids or plan.new_requests:
+            self.batches.forget()
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return StepResult()
@@ -179,7 +184,7 @@ class ModelRunner:
         packed, raw = self.prefill.run(reqs, plan.num_tokens, self.diffs)
         host = self._to_host(reqs, packed, raw)  # the step's one wait
         result = finish_prefill(reqs, plan.num_tokens, host, self.config.num_mtp_modules,
-                                lambda r, row: _logprob_dicts(row, 0, 0, r.params.logprobs))
+                                lambda r, row: logprob_dicts(row, 0, 0, r.params.logprobs))
         result.target_seconds = time.perf_counter() - t0  # one graph: no phase split
         return result
 
@@ -216,36 +221,36 @@ class ModelRunner:
 
     def _launch_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> "PendingStep":
         t0 = time.perf_counter()
-        chain = max(r.num_spec for r in reqs) if self.config.num_mtp_modules else 0
+        batch = self.batches.of(reqs, plan.req_ids)
+        specs = plan.num_spec or [r.num_spec for r in reqs]
+        chain = max(specs) if self.config.num_mtp_modules else 0
         # The window is padded to the chain (rows past a request's own drafts are masked): a step that verifies
         # fewer drafts than it makes (k just rose, or max_tokens is near) then reuses the graph captured at
         # start for its k instead of capturing one of its own in the middle of serving.
         window = 1 + max(max(plan.num_drafts), chain)
-        shape = StepShape(window, chain, sampling_flags([r.params for r in reqs], self.vocab))
-        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
-        packed, raw = self.uniform.run(slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
-        host, done = self._stage(reqs, packed, raw)
+        shape = StepShape(window, chain, batch.flags)
+        packed, raw = self.uniform.run(batch.slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
+        host, done = self._stage(packed, raw, batch.top_logprobs)
         return PendingStep(reqs, shape.window - 1, host, done, t0, self.uniform.began)
 
     def _finish_uniform(self, p: "PendingStep") -> StepResult:
         """Read a uniform step's result (the step's one wait for the device) and advance the host state."""
-        result, modules = StepResult(), self.config.num_mtp_modules
+        device_seconds, modules = 0.0, self.config.num_mtp_modules
         if p.done is not None:
             p.done.synchronize()
             # From the GPU reaching this step's forward (the step before it done, or its launch) to its result
             # copied.
-            result.device_seconds = p.begun.elapsed_time(p.done) / 1e3
-        for r, row in zip(p.reqs, p.host.tolist()):
-            a = int(row[0])
-            tokens = [int(t) for t in row[1 : a + 2]]
-            result.req_ids.append(r.req_id), result.num_accepted.append(a), result.token_ids.append(tokens)
-            result.logprobs.append(_logprob_dicts(row, a, p.k, r.params.logprobs))
+            device_seconds = p.begun.elapsed_time(p.done) / 1e3
+        result = result_from_rows(p.reqs, p.host.tolist(), p.k)
+        for r, tokens in zip(p.reqs, result.token_ids):
             r.token_ids += tokens
             n = r.num_computed = len(r.token_ids) - 1
-            # The modules the chain ran for this request; or fewer, when a step launched meanwhile lowered its
-            # num_spec (design §9): a module counted short is only caught up from a little further back.
-            for m in range(min(r.num_spec, modules)):
-                r.mtp_computed[m] = max(0, n - m)
+            # The modules the chain ran for this request (n - m > 0: a uniform step's request is past the first
+            # `modules` positions); or fewer, when a step launched meanwhile lowered its num_spec (design §9): a
+            # module counted short is only caught up from a little further back.
+            used = min(r.num_spec, modules)
+            r.mtp_computed[:used] = range(n, n - used, -1)
+        result.device_seconds = device_seconds
         result.target_seconds = time.perf_counter() - p.started  # one graph: no phase split
         return result
 
@@ -302,22 +307,17 @@ class ModelRunner:
         )
         _force_resumed(f_reqs, tokens)
         host = self._to_host(f_reqs, torch.cat((accepted[:, None], tokens), dim=1), raw)  # the step's one sync
-        result = StepResult()
-        for r, row in zip(f_reqs, host):
-            a = int(row[0])
-            result.req_ids.append(r.req_id), result.num_accepted.append(a)
-            result.token_ids.append([int(t) for t in row[1 : a + 2]])
-            result.logprobs.append(_logprob_dicts(row, a, k, r.params.logprobs))
+        result = result_from_rows(f_reqs, host, k)
         record_emitted(f_reqs, result.token_ids, self.slots)
         return result
 
     def _to_host(self, reqs: list[CachedRequest], packed: torch.Tensor, raw: torch.Tensor) -> list[list[float]]:
-        host, done = self._stage(reqs, packed, raw)
+        host, done = self._stage(packed, raw, top_logprobs(reqs))
         if done is not None:
             done.synchronize()
         return host.tolist()
 
-    def _stage(self, reqs: list[CachedRequest], packed: torch.Tensor, raw: torch.Tensor
+    def _stage(self, packed: torch.Tensor, raw: torch.Tensor, top_n: int | None
                ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The step's one device-to-host copy, started: per request [a, tokens (K+1), logprobs if asked].
 
@@ -326,10 +326,9 @@ class ModelRunner:
         everything travels as float64, exact for token ids. On CUDA the copy lands in pinned memory
         and the returned event marks its end; the device buffers may then be reused at once.
         """
-        if any(r.params.logprobs is not None for r in reqs):
-            top_n = max((r.params.logprobs or 0 for r in reqs), default=0)
+        if top_n is not None:
             lp, ids, vals = logprobs_topn(raw, packed[:, 1:].reshape(-1), top_n)
-            packed = torch.cat([packed.double()] + [t.reshape(len(reqs), -1).double() for t in (lp, ids, vals)], 1)
+            packed = torch.cat([packed.double()] + [t.reshape(len(packed), -1).double() for t in (lp, ids, vals)], 1)
         return self.staging.download(packed)
 
     def _penalised(self, raw: torch.Tensor, st, slots: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -365,17 +364,6 @@ def _force_resumed(reqs: list[CachedRequest], tokens: torch.Tensor) -> None:
     if forced:  # rare (after preemption or recovery): one small host-to-device copy
         rows, values = zip(*forced)
         tokens[list(rows), 0] = torch.tensor(values, dtype=tokens.dtype, device=tokens.device)
-
-
-def _logprob_dicts(row: list[float], accepted: int, k: int, n: int | None) -> list[dict[int, float]] | None:
-    """Unpack one request's row of _to_host: token id -> logprob, the chosen token and the top n."""
-    if n is None:
-        return None
-    window, top_n = k + 1, (len(row) - 1 - 2 * (k + 1)) // (2 * (k + 1))
-    chosen, lp = row[1 : 1 + window], row[1 + window : 1 + 2 * window]
-    ids, vals = row[1 + 2 * window : 1 + 2 * window + window * top_n], row[1 + 2 * window + window * top_n :]
-    return [{**{int(i): v for i, v in zip(ids[j * top_n : j * top_n + n], vals[j * top_n : j * top_n + n])},
-             int(chosen[j]): lp[j]} for j in range(accepted + 1)]
 
 
 def _subset(reqs: list[CachedRequest], plan: StepPlan, mask: list[bool], keep: bool

@@ -118,11 +118,12 @@ def apply_plan(requests: dict[str, CachedRequest], slots: SlotBuffers, plan: Ste
         if diffs is not None:
             record_admission(diffs, req, slots.vocab)
     for req_id, new_blocks in zip(plan.req_ids, plan.new_block_ids):
-        req = requests[req_id]
-        for group, (table, blocks) in enumerate(zip(req.block_ids, new_blocks)):
-            if diffs is not None and blocks and group < diffs.num_groups:
-                diffs.table(group, req.slot, blocks, len(table))
-            table.extend(blocks)
+        if new_blocks:  # [] on most decode steps: no group grew
+            req = requests[req_id]
+            for group, (table, blocks) in enumerate(zip(req.block_ids, new_blocks)):
+                if diffs is not None and blocks and group < diffs.num_groups:
+                    diffs.table(group, req.slot, blocks, len(table))
+                table.extend(blocks)
     for req_id, num_spec in zip(plan.req_ids, plan.num_spec):  # adaptive speculation's k (design §9)
         req = requests[req_id]
         if req.num_spec != num_spec:
