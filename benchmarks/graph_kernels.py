@@ -62,9 +62,9 @@ def launch_us(replay, times: int = 50) -> tuple[float, float]:
 
 
 def report(uniform: UniformGraphs, batches: list[int], diff_k: int) -> None:
-    for batch, k, seconds in sorted(time_start_graphs(uniform, replays=20)):
+    for batch, k, greedy, seconds in sorted(time_start_graphs(uniform, replays=20)):
         if batch in batches:
-            print(f"graph batch {batch} k {k}: {seconds * 1e6:.1f} us per replay")
+            print(f"graph batch {batch} k {k} {'greedy' if greedy else 'sampled'}: {seconds * 1e6:.1f} us per replay")
     counts: dict[tuple[int, int], collections.Counter] = {}
     graphs = [(batch, shape.chain, g) for (batch, shape), g in sorted(uniform.graphs.items(),
               key=lambda x: (x[0][0], x[0][1].chain))

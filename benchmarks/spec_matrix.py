@@ -225,11 +225,12 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
         run = workloads.drive(engine, jobs, c, prefix)
         if before is not None and any(j.params.num_speculative_tokens == AUTO for j in jobs):
             steps = adaptive.chosen - before[0]
-            costs = adaptive.costs.costs(c)
+            greedy = jobs[0].params.greedy
+            costs, (a, b, _) = adaptive.costs.costs(c, greedy=greedy), adaptive.costs.host_line(c)
             print(f"  auto {prefix}: steps per chosen k {dict(enumerate(steps.tolist()))}, "
                   f"requests caught up {runner.num_catch_ups - before[1]}; step cost / k=0 at the end "
-                  f"{np.round(costs / costs[0], 2).tolist()} (host now {adaptive.costs.host_line(c)[0] * 1e3:.3f} + {adaptive.costs.host_line(c)[1] * 1e3:.4f}/token ms, "
-                  f"device {np.round(adaptive.costs.device(c) * 1e3, 3).tolist()} ms), "
+                  f"{np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + {b * 1e3:.4f}/token ms, "
+                  f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
                   f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
         return run
 

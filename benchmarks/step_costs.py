@@ -67,10 +67,10 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
     wall = time.perf_counter() - t0
     print(f"c={c} k={k}: {wall / run.engine_steps * 1e3:.3f} ms per step, {run.tokens_per_s:.0f} tok/s, "
           f"AL {run.spec.acceptance_length:.2f}; samples per k (ms: median/p10/p90) {laps.summary()}")
-    costs = engine.adaptive.costs
-    print(f"  cost row (ms) {np.round(costs.costs(c) * 1e3, 3).tolist()} = "
+    costs, greedy = engine.adaptive.costs, args.temperature == 0
+    print(f"  cost row (ms) {np.round(costs.costs(c, greedy=greedy) * 1e3, 3).tolist()} = "
           f"{'max' if laps.overlapped else 'sum'}(host now {_line(costs, c)}, "
-          f"device {np.round(costs.device(c) * 1e3, 3).tolist()})")
+          f"device {np.round(costs.device(c, greedy) * 1e3, 3).tolist()})")
 
 
 def _line(costs: StepCosts, c: int) -> str:
@@ -98,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(EngineConfig(model=str(model), device=str(device), max_num_seqs=max(concurrency)))
         if engine.adaptive is None:
             sys.exit("this model has no MTP modules: there is no adaptive speculation to look at")
-        seeds = np.round(engine.adaptive.costs.seeds * 1e3, 3)
-        print(f"async scheduling {engine._async}; start-up graph seeds (ms, first bucket) {seeds[0].tolist()}")
+        modes = engine.adaptive.costs.modes
+        greedy, sampled = (np.round(modes[g].seeds[0] * 1e3, 3).tolist() for g in (True, False))
+        print(f"async scheduling {engine._async}; start-up graph seeds (ms, first bucket): greedy {greedy}, "
+              f"sampled {sampled}")
         prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
         for c in concurrency:
             for k in ks:

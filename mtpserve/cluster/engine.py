@@ -70,9 +70,9 @@ class LLMEngine:
         self._step_clock = _StepClock()
         self._captures_seen = 0  # the executor's graph captures when the last step cost was learned
         self._executor_seconds = [0.0, 0.0]  # since the last lap: inside submit / execute, blocked in wait
-        for batch, k, seconds in getattr(self.executor, "start_step_costs", ()) if self.adaptive else ():
+        for batch, k, greedy, seconds in getattr(self.executor, "start_step_costs", ()) if self.adaptive else ():
             if k <= r.max_auto_spec:
-                self.adaptive.costs.seed(batch, k, seconds)
+                self.adaptive.costs.seed(batch, k, seconds, greedy)
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec = SpecCounters()
         self.last_stats = StepStats()
@@ -233,7 +233,10 @@ class LLMEngine:
             device = result.device_seconds if overlapped else inside + waited
             host = seconds - (waited if overlapped else inside + waited)
             tokens = sum(result.num_accepted) + len(result.num_accepted)
-            self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped, tokens)
+            # The batch's sampling mode as the chooser last saw it: the plan's own, since a step is timed only
+            # after one of the same kind (a batch that changed is not timed, _StepClock).
+            self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped, tokens,
+                                        self.adaptive.greedy)
 
     def _prompt_tokens(self, plan: StepPlan) -> int:
         """Prompt tokens this plan computes (recomputation after preemption counts again)."""

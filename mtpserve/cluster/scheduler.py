@@ -124,7 +124,7 @@ class Scheduler:
             self._rows = None
             req.status = Status.RUNNING
             if self.adaptive is not None:
-                req.spec_row = self.adaptive.admit(req.num_spec, req.adaptive)
+                req.spec_row = self.adaptive.admit(req.num_spec, req.adaptive, req.params.greedy)
             plan.new_requests.append(self._new_request(req))
             self._add_to_plan(plan, req, n, d, [], spec)
             budget -= n + d

@@ -93,14 +93,16 @@ class AcceptanceTable:
         self.n = np.zeros((k, rows))  # decayed observation counts behind p
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
         self.adaptive = np.zeros(rows, dtype=bool)
+        self.greedy = np.ones(rows, dtype=bool)  # the row's request samples greedily (the step costs' mode)
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
         self.prior_steps = np.zeros(k)  # steps that observed each position
         self._free = list(range(rows - 1, -1, -1))
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._owned_from = np.zeros(rows, dtype=np.int64)  # the first queued step that is the row's own
 
-    def acquire(self, cap: int, adaptive: bool) -> int:
+    def acquire(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
         row = self._free.pop()
+        self.greedy[row] = greedy
         self._owned_from[row] = len(self._pending)  # a previous holder's queued steps count for the prior only
         self.within[:, row] = self._j < cap
         self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
@@ -197,15 +199,17 @@ class AdaptiveSpec:
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
         self.dwell = config.min_dwell  # steps the last choice holds
         self.active = False  # whether the last choice had an adaptive request to choose for
+        self.greedy = True  # whether every request of the last call's batch samples greedily (its step costs)
         self._bucket = -len(self.costs.buckets)  # the batch bucket of the last full choice (none yet: far)
         # The rows of the last call, their bucket and whether any is adaptive (numpy calls cost ~3 us each on
         # the H100's host: per step only when the running set changed).
         self._rows: np.ndarray | None = None
         self._rows_bucket, self._rows_active = -1, False
 
-    def admit(self, cap: int, adaptive: bool) -> int:
-        """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k."""
-        return self.acceptance.acquire(min(cap, self.config.max_k), adaptive)
+    def admit(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
+        """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k; greedy: it
+        samples greedily."""
+        return self.acceptance.acquire(min(cap, self.config.max_k), adaptive, greedy)
 
     def release(self, row: int) -> None:
         self.acceptance.release(row)
@@ -217,6 +221,9 @@ class AdaptiveSpec:
         if rows is not self._rows:  # the scheduler passes the same array until its running set changes
             self._rows, self._rows_bucket = rows, self.costs.bucket(rows.size)
             self._rows_active = rows.size > 0 and bool(t.adaptive.take(rows).any())
+            greedy = bool(t.greedy.take(rows).all())
+            if greedy != self.greedy:
+                self.greedy, self._held = greedy, self.dwell  # another mode, other costs: choose again now
         self.active, bucket = self._rows_active, self._rows_bucket
         if not self.active:
             return self.k
@@ -231,7 +238,8 @@ class AdaptiveSpec:
             self._bucket = bucket
             t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)
-            costs = self.costs.costs(rows.size, base + np.concatenate(([0.0], np.cumsum(gains))))  # tokens per k
+            tokens = base + np.concatenate(([0.0], np.cumsum(gains)))  # per k
+            costs = self.costs.costs(rows.size, tokens, self.greedy)
             k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
@@ -250,7 +258,7 @@ class AdaptiveSpec:
         """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
         Going down costs nothing and gives the bucket's cost line a second point; a k extrapolated from
         the prior slope alone could otherwise look worse than it is, forever."""
-        if k == self.k and k > 0 and not self.costs.timed(batch, k - 1):
+        if k == self.k and k > 0 and not self.costs.timed(batch, k - 1, self.greedy):
             return k - 1
         return k
 

@@ -22,12 +22,12 @@ import numpy as np
 from mtpserve.workers.cuda_graphs import batch_buckets
 
 
-class StepCosts:
-    """Seconds of a decode step per (batch bucket, k): combine(host now, device at k).
+class DeviceCosts:
+    """Device seconds of a decode step per (batch bucket, k), for batches of one sampling mode.
 
-    Device cells: the lower median of recent samples, not an average: steps are stretched now and then
-    (a GC pause, the OS) and a few end early, and the median ignores any minority of them at once where
-    an average clipped to 1.5x of itself recovered from one bad first sample by a few percent a step.
+    Cells: the lower median of recent samples, not an average: steps are stretched now and then (a GC
+    pause, the OS) and a few end early, and the median ignores any minority of them at once where an
+    average clipped to 1.5x of itself recovered from one bad first sample by a few percent a step.
     Start-up seeds (a captured graph's replay) are kept apart from measured cells: where a bucket has
     both at some k, its seeds are moved by their mean difference (the measured step also holds its
     copies), so that a seeded k is compared with a measured one on the same footing. A k neither
@@ -36,105 +36,49 @@ class StepCosts:
     a line (`per_draft_cost` before any).
 
     A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
-    when a cell is first measured and every `REFIT` samples after; `costs` estimates what is marked
-    when the chooser asks (once per dwell, not every step).
+    when a cell is first measured and every `REFIT` samples after; `row` estimates what is marked when
+    the chooser asks (once per dwell, not every step).
     """
 
     REFIT = 32
-    HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
 
-    def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
-        self.max_k, self.window, self.per_draft_cost = max_k, window, per_draft_cost
-        self.buckets = np.array(batch_buckets(max_rows))
-        shape = (len(self.buckets), max_k + 1)
-        self.seconds = np.full(shape, np.nan)  # device medians, where measured
+    def __init__(self, max_k: int, buckets: np.ndarray, window: int, per_draft_cost: float) -> None:
+        self.window, self.per_draft_cost, self.buckets = window, per_draft_cost, buckets
+        shape = (len(buckets), max_k + 1)
+        self.seconds = np.full(shape, np.nan)  # medians, where measured
         self.seeds = np.full(shape, np.nan)  # start-up timings
         self.samples = np.zeros(shape, dtype=np.int64)
-        self.recent = np.full(shape + (window,), np.nan)  # the last device samples, a ring
-        self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 2), np.nan)  # (host, tokens), any k
-        self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
-        self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
+        self.recent = np.full(shape + (window,), np.nan)  # the last samples, a ring
         self._count = 0
         self._slope = per_draft_cost
-        self._table = self._estimate()  # device estimates
-        self._stale = np.zeros(len(self.buckets), dtype=bool)  # rows of _table to estimate again
+        self._table = self._estimate()
+        self._stale = np.zeros(len(buckets), dtype=bool)  # rows of _table to estimate again
         self._refit = False  # the slope and every row
-        self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1))
 
-    def bucket(self, batch: int) -> int:
-        return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
+    @property
+    def known(self) -> bool:
+        """Whether any cell was measured or seeded."""
+        return bool(self.samples.any()) or not np.isnan(self.seeds).all()
 
-    def observe(self, batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
-                tokens: float = 0.0) -> None:
-        """A timed decode step of `batch` requests whose chain ran k drafts and that emitted `tokens`: `device`
-        seconds of its own work on the device, `host` seconds of the host's in its lap; `overlapped`: the
-        two ran side by side."""
-        b = self.bucket(batch)
+    def observe(self, b: int, k: int, device: float) -> None:
         first = self.samples[b, k] == 0
         self.recent[b, k, self.samples[b, k] % self.window] = device
         self.samples[b, k] += 1
-        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host, tokens
-        self.host_samples[b] += 1
-        self.overlapped = overlapped
         if first:
-            self.seconds[b, k] = device  # marks the cell measured; its median waits for `costs`
+            self.seconds[b, k] = device  # marks the cell measured; its median waits for `row`
         self._count += 1
         self._refit |= bool(first) or self._count % self.REFIT == 0
         self._stale[b] = True
 
-    def seed(self, batch: int, k: int, seconds: float) -> None:
-        """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
-        self.seeds[self.bucket(batch), k] = seconds
+    def seed(self, b: int, k: int, seconds: float) -> None:
+        self.seeds[b, k] = seconds
         self._refit = True
 
-    def timed(self, batch: int, k: int) -> bool:
-        """Whether k has been measured or seeded in this batch's bucket."""
-        b = self.bucket(batch)
+    def timed(self, b: int, k: int) -> bool:
         return not (np.isnan(self.seconds[b, k]) and np.isnan(self.seeds[b, k]))
 
-    def costs(self, batch: int, tokens: np.ndarray | None = None) -> np.ndarray:
-        """[K + 1] seconds of a step at each k for this batch size, emitting tokens[k] tokens (None: the
-        host's share as it is now at every k; a unitless prior before any timing)."""
-        device, host = self.device(batch), self.host(batch, tokens)
-        return np.maximum(host, device) if self.overlapped else host + device
-
-    def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
-        """The host's share of a step in this batch's bucket now, for steps emitting `tokens`: on the line
-        through its recent samples where their tokens vary enough to draw one, else their lower median."""
-        if tokens is None:
-            return self.host_line(batch)[2]
-        a, slope, _ = self.host_line(batch)
-        return np.maximum(a + slope * np.asarray(tokens, dtype=np.float64), 0.0)
-
-    def host_line(self, batch: int) -> tuple[float, float, float]:
-        """(a, b, median) of the bucket's recent host samples: seconds = a + b * tokens, and their lower
-        median. A bucket without samples (one a batch passes through while it ramps up) borrows the
-        nearest sampled bucket's, its per-step part scaled by the batch sizes: the host's share grows
-        with the requests it handles, and a row of device time alone would price drafts as if the host
-        were free. Zeros before any sample."""
-        b = self.bucket(batch)
-        n = min(self.host_samples[b], self.HOST_WINDOW)
-        if n == 0:
-            sampled = np.flatnonzero(self.host_samples)
-            if sampled.size == 0:
-                return 0.0, 0.0, 0.0
-            near = int(sampled[np.argmin(np.abs(np.log(self.buckets[sampled] / self.buckets[b])))])
-            a, slope, median = self.host_line(int(self.buckets[near]))
-            scale = self.buckets[b] / self.buckets[near]
-            return a * scale, slope, median * scale
-        seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]
-        last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
-        now = np.sort(seconds[last])
-        median = float(now[(len(now) - 1) // 2])
-        # The slope from the whole window (tokens vary across it), the level from its newest samples only:
-        # the host's speed drifts, and a change must show within a cell's window, not the line's.
-        slope = _host_slope(seconds, emitted, float(np.median(seconds)))
-        level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
-        return float(level), slope, median
-
-    def device(self, batch: int) -> np.ndarray:
-        """[K + 1] device seconds of a step at each k for this batch size (estimated where not measured)."""
-        b = self.bucket(batch)
+    def row(self, b: int) -> np.ndarray:
+        """[K + 1] seconds at each k in bucket b (estimated where not measured)."""
         if self._refit:
             self._update_medians(slice(None))
             self._slope, self._table, self._refit = self.slope(), self._estimate(), False
@@ -186,6 +130,97 @@ class StepCosts:
         a, b, n = _line_fit(known)
         fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
         return np.where(np.isnan(known), fitted, known)
+
+
+class StepCosts:
+    """Seconds of a decode step per (batch bucket, k): combine(host now, device at k).
+
+    The device's share is kept per sampling mode (a DeviceCosts for all-greedy batches, one for the others):
+    a sampled step's graph runs the rejection sampler and the sampled drafts, at T = 1 on the H100 2 to 3x
+    the greedy one at the same k, and a table seeded with greedy timings alone priced the drafts of a
+    sampled batch at a fraction of their cost. The host's share is one line per bucket for both.
+    """
+
+    HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
+
+    def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
+        self.max_k, self.window = max_k, window
+        self.buckets = np.array(batch_buckets(max_rows))
+        self.modes = {greedy: DeviceCosts(max_k, self.buckets, window, per_draft_cost) for greedy in (True, False)}
+        self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 2), np.nan)  # (host, tokens), any k
+        self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
+        self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
+        self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1))
+
+    def bucket(self, batch: int) -> int:
+        return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
+
+    def observe(self, batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
+                tokens: float = 0.0, greedy: bool = True) -> None:
+        """A timed decode step of `batch` requests whose chain ran k drafts and that emitted `tokens`: `device`
+        seconds of its own work on the device, `host` seconds of the host's in its lap; `overlapped`: the
+        two ran side by side; `greedy`: every request of the batch was greedy."""
+        b = self.bucket(batch)
+        self.modes[greedy].observe(b, k, device)
+        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host, tokens
+        self.host_samples[b] += 1
+        self.overlapped = overlapped
+
+    def seed(self, batch: int, k: int, seconds: float, greedy: bool = True) -> None:
+        """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
+        self.modes[greedy].seed(self.bucket(batch), k, seconds)
+
+    def timed(self, batch: int, k: int, greedy: bool = True) -> bool:
+        """Whether k has been measured or seeded in this batch's bucket (and sampling mode)."""
+        return self.modes[greedy].timed(self.bucket(batch), k)
+
+    def costs(self, batch: int, tokens: np.ndarray | None = None, greedy: bool = True) -> np.ndarray:
+        """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
+        (None: the host's share as it is now at every k; a unitless prior before any timing)."""
+        device, host = self.device(batch, greedy), self.host(batch, tokens)
+        return np.maximum(host, device) if self.overlapped else host + device
+
+    def device(self, batch: int, greedy: bool = True) -> np.ndarray:
+        """[K + 1] device seconds of a step at each k (estimated where not measured). A mode that knows nothing
+        yet borrows the other's table: seconds of the wrong mode beat a unitless prior next to host seconds."""
+        table = self.modes[greedy]
+        if not table.known and self.modes[not greedy].known:
+            table = self.modes[not greedy]
+        return table.row(self.bucket(batch))
+
+    def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
+        """The host's share of a step in this batch's bucket now, for steps emitting `tokens`: on the line
+        through its recent samples where their tokens vary enough to draw one, else their lower median."""
+        if tokens is None:
+            return self.host_line(batch)[2]
+        a, slope, _ = self.host_line(batch)
+        return np.maximum(a + slope * np.asarray(tokens, dtype=np.float64), 0.0)
+
+    def host_line(self, batch: int) -> tuple[float, float, float]:
+        """(a, b, median) of the bucket's recent host samples: seconds = a + b * tokens, and their lower
+        median. A bucket without samples (one a batch passes through while it ramps up) borrows the
+        nearest sampled bucket's, its per-step part scaled by the batch sizes: the host's share grows
+        with the requests it handles, and a row of device time alone would price drafts as if the host
+        were free. Zeros before any sample."""
+        b = self.bucket(batch)
+        n = min(self.host_samples[b], self.HOST_WINDOW)
+        if n == 0:
+            sampled = np.flatnonzero(self.host_samples)
+            if sampled.size == 0:
+                return 0.0, 0.0, 0.0
+            near = int(sampled[np.argmin(np.abs(np.log(self.buckets[sampled] / self.buckets[b])))])
+            a, slope, median = self.host_line(int(self.buckets[near]))
+            scale = self.buckets[b] / self.buckets[near]
+            return a * scale, slope, median * scale
+        seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]
+        last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
+        now = np.sort(seconds[last])
+        median = float(now[(len(now) - 1) // 2])
+        # The slope from the whole window (tokens vary across it), the level from its newest samples only:
+        # the host's speed drifts, and a change must show within a cell's window, not the line's.
+        slope = _host_slope(seconds, emitted, float(np.median(seconds)))
+        level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
+        return float(level), slope, median
 
 
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float:

@@ -13,11 +13,13 @@ from mtpserve.workers.uniform_graphs import UniformGraphs
 
 
 @torch.inference_mode()
-def time_start_graphs(uniform: UniformGraphs, replays: int = 3) -> list[tuple[int, int, float]]:
-    """(batch bucket, k, seconds per replay) of every greedy steady-state graph (window = 1 + chain)."""
+def time_start_graphs(uniform: UniformGraphs, replays: int = 3) -> list[tuple[int, int, bool, float]]:
+    """(batch bucket, k, greedy, seconds per replay) of every steady-state graph (window = 1 + chain) of a
+    plain batch: all greedy, or sampled without penalties, top-k, top-p or min-p (the captures at start)."""
     out = []
     for (batch, shape), g in uniform.graphs.items():
-        if not shape.flags.all_greedy or shape.window != 1 + shape.chain:
+        plain = shape.flags == type(shape.flags)(all_greedy=shape.flags.all_greedy)
+        if not plain or shape.window != 1 + shape.chain:
             continue
         g.graph.replay()  # the first replay after other work may pay for cold caches
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -26,5 +28,5 @@ def time_start_graphs(uniform: UniformGraphs, replays: int = 3) -> list[tuple[in
             g.graph.replay()
         end.record()
         end.synchronize()
-        out.append((batch, shape.chain, start.elapsed_time(end) / 1e3 / replays))
+        out.append((batch, shape.chain, shape.flags.all_greedy, start.elapsed_time(end) / 1e3 / replays))
     return out

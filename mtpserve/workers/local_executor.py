@@ -12,7 +12,8 @@ class LocalExecutor:
     def __init__(self, source: ModelSource, config: RunnerConfig) -> None:
         model = load_model(source.path, source.dtype, source.device)
         self.runner = ModelRunner(model, config, source.dtype, source.device)
-        # (batch bucket, k, seconds) of the graphs captured at start: adaptive speculation's first step costs.
+        # (batch bucket, k, greedy, seconds) of the graphs captured at start: adaptive speculation's first step
+        # costs.
         uniform = self.runner.uniform
         self.start_step_costs = time_start_graphs(uniform) if uniform is not None and uniform.use_graphs else []
 

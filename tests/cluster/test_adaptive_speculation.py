@@ -188,10 +188,10 @@ def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Calla
     observe = StepCosts.observe
 
     def observed(self: StepCosts, batch: int, k: int, device: float, host: float, overlapped: bool,
-                 tokens: float) -> None:
+                 tokens: float, greedy: bool = True) -> None:
         assert not overlapped, "no device timed the step: the CPU runs it inside the launch"
         samples.append(device + host)
-        observe(self, batch, k, device, host, overlapped, tokens)
+        observe(self, batch, k, device, host, overlapped, tokens, greedy)
 
     monkeypatch.setattr(StepCosts, "observe", observed)
     return llm, samples, clock  # clock.now: the engine's time
@@ -253,9 +253,9 @@ def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path,
     shares: list[tuple[float, float]] = []
     emitted: list[tuple[int, float]] = []
     observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens: (
-        shares.append((device, host)), emitted.append((batch, tokens)),
-        observe(self, batch, k, device, host, overlapped, tokens)))
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy: (
+        shares.append((device, host)), emitted.append((batch, tokens, greedy)),
+        observe(self, batch, k, device, host, overlapped, tokens, greedy)))
     scheduler = llm.engine.scheduler
     plan_overlapped = scheduler.schedule_overlapped
 
@@ -268,4 +268,18 @@ def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path,
     assert len(shares) > 10 and set(shares) == {(1.0, 0.25)}, sorted(set(shares))
     assert llm.engine.adaptive.costs.host(5) == 0.25
     # and the tokens each step emitted, which the host's share grows with: one per request and its accepted drafts
-    assert all(batch <= tokens <= batch * 4 for batch, tokens in emitted) and any(t > b for b, t in emitted)
+    assert all(batch <= tokens <= batch * 4 for batch, tokens, _ in emitted) and any(t > b for b, t, _ in emitted)
+    assert all(greedy for _, _, greedy in emitted)  # a greedy batch's steps feed the greedy table
+
+
+def test_a_sampled_batch_feeds_the_sampled_step_costs(partly_trained: Path) -> None:
+    """A sampled step costs the device more than a greedy one at the same k (design §9): the engine files
+    each timed step under its batch's sampling mode, and the chooser reads that mode's table."""
+    llm = LLM(str(partly_trained), block_size=4, async_scheduling=True)
+    sampled = SamplingParams(max_tokens=32, temperature=1.0, seed=3, ignore_eos=True)
+    llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), sampled)
+    adaptive = llm.engine.adaptive
+    modes = adaptive.costs.modes
+    assert modes[False].samples.sum() > 0 and modes[True].samples.sum() == 0 and not adaptive.greedy
+    llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
+    assert modes[True].samples.sum() > 0 and adaptive.greedy

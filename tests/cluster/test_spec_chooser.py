@@ -437,3 +437,44 @@ def test_a_choice_made_while_the_batch_ramps_up_holds_only_for_its_bucket() -> N
     spec.acceptance.set(rows[:1], np.zeros((K, 1)))  # a drained batch of one whose drafts fail: k = 0 ...
     assert spec.choose(rows[:1]) == 0 and spec._held == 0
     assert spec.choose(rows) == K  # ... and the next 256 requests, chosen for at once: their prefill runs K
+
+
+def test_sampled_batches_have_their_own_device_costs() -> None:
+    """A sampled step's graph runs the rejection sampler and the sampled drafts (2-3x the greedy graph at
+    T = 1 on the H100): its seeds and samples do not move the greedy table, nor the other way round."""
+    costs = StepCosts(K, 64)
+    for k in range(K + 1):
+        costs.seed(8, k, 1e-3 * (1 + 0.1 * k))
+        costs.seed(8, k, 1e-3 * (1 + 0.5 * k), greedy=False)
+    np.testing.assert_allclose(costs.device(8), 1e-3 * (1 + 0.1 * np.arange(K + 1)))
+    np.testing.assert_allclose(costs.device(8, greedy=False), 1e-3 * (1 + 0.5 * np.arange(K + 1)))
+    costs.observe(8, 2, 5e-3, greedy=False)
+    assert costs.device(8, greedy=False)[2] == 5e-3 and costs.device(8)[2] == 1.2e-3
+    assert costs.timed(8, 2, greedy=False) and not costs.timed(16, 2, greedy=False)
+
+
+def test_a_mode_that_knows_nothing_borrows_the_other_ones_device_costs() -> None:
+    costs = StepCosts(K, 64)
+    for k in range(K + 1):
+        costs.observe(8, k, 1e-3 * (1 + k))  # greedy steps only (a CPU engine: no seeds)
+    np.testing.assert_allclose(costs.device(8, greedy=False), costs.device(8))  # not a unitless prior
+    costs.observe(8, 0, 4e-3, greedy=False)
+    assert costs.device(8, greedy=False)[0] == 4e-3
+
+
+def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:
+    """The same acceptance, cheap greedy drafts and dear sampled ones: a greedy batch runs every draft, a
+    sampled batch none; a batch that turns sampled is chosen for at once."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, min_dwell=8))
+    for k in range(K + 1):
+        spec.costs.seed(8, k, 1e-3 * (1 + 0.05 * k))
+        spec.costs.seed(8, k, 1e-3 * (1 + 2.0 * k), greedy=False)
+    greedy = np.array([spec.admit(K, True) for _ in range(8)])
+    assert spec.choose(greedy) == K and spec.greedy
+    sampled = np.array([spec.admit(K, True, greedy=False) for _ in range(8)])
+    for rows in (greedy, sampled):
+        spec.acceptance.set(rows, np.full((K, 8), 0.6))
+    assert spec.choose(sampled) == 0 and not spec.greedy  # a new mode: no dwell to wait out
+    mixed = np.concatenate((greedy[:4], sampled[:4]))  # one sampled request makes the batch's step sampled
+    spec.choose(mixed)
+    assert not spec.greedy
