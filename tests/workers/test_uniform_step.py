@@ -175,8 +175,8 @@ def test_overlapped_decode_steps_feed_their_device_and_host_shares(partly_traine
     cost model gets both shares of every sampled lap."""
     shares: list[tuple[float, float, bool]] = []
     observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens: (
-        shares.append((device, host, overlapped)), observe(self, batch, k, device, host, overlapped, tokens)))
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy: (
+        shares.append((device, host, overlapped)), observe(self, batch, k, device, host, overlapped, tokens, greedy)))
     llm = LLM(str(partly_trained), device="cuda", dtype="float32", max_num_seqs=8)  # "auto" by default
     llm.generate(prompts_of(64, [6, 9, 7], seed=1), SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     assert len(shares) > 10
@@ -197,3 +197,13 @@ def test_the_default_ks_graphs_are_captured_at_start(partly_trained: Path) -> No
     assert uniform.replays > 3
     # Even the last steps, which verify fewer drafts before max_tokens, replay the graphs captured at start.
     assert set(uniform.graphs) == at_start
+
+
+@cuda
+def test_both_sampling_modes_graphs_seed_their_step_costs(partly_trained: Path) -> None:
+    """The graphs captured at start are timed in both modes (design §9): a sampled batch's drafts are priced
+    from the sampled graphs, which cost the device more than the greedy ones."""
+    llm = LLM(str(partly_trained), device="cuda", dtype="float32", max_num_seqs=8)  # "auto" by default
+    modes = llm.engine.adaptive.costs.modes
+    greedy, sampled = (~np.isnan(modes[g].seeds) for g in (True, False))
+    assert greedy.any() and (greedy == sampled).all()
