@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-profile", action="store_true", help="also a torch.profiler table (inflates host time)")
     p.add_argument("--python-profile", action="store_true",
                    help="also the top Python functions by cumulative time (cProfile; inflates host time)")
+    p.add_argument("--python-sort", default="cumulative", help="pstats sort key of --python-profile (tottime, ...)")
     return p.parse_args(argv)
 
 
@@ -122,7 +123,7 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, arg
           f"overlapped {engine.num_overlapped_steps - overlapped0}, general steps "
           f"{timer.calls.get('  general', 0)}, prefill steps {timer.calls.get('  prefill', 0)}")
     if py_prof is not None:
-        pstats.Stats(py_prof).sort_stats("cumulative").print_stats(args.top)
+        pstats.Stats(py_prof).sort_stats(args.python_sort).print_stats(args.top)
     if not args.torch_profile:
         return
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
