@@ -72,6 +72,7 @@ class PhaseTimer:
                                   (getattr(adaptive, "acceptance", None), "flush", "    acceptance fold")):
             if owner is not None and hasattr(owner, attr):
                 setattr(owner, attr, self._timed(getattr(owner, attr), name))
+        self._by_kind(engine)
         runner = getattr(ex, "runner", None)  # in-process: the parts of a uniform step's launch and read
         for owner, attr, name in ((runner, "_launch_uniform", "  uniform launch"),
                                   (getattr(runner, "uniform", None), "run", "    pack+graph"),
@@ -95,6 +96,23 @@ class PhaseTimer:
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.kinds.clear()
+
+    def _by_kind(self, engine: LLMEngine) -> None:
+        """engine.step's wall, split by the kind of step whose outputs it returned: one that computed prompt
+        tokens (a prefill, sync) or a decode step."""
+        self.kinds: dict[str, list[float]] = {}
+        step = engine.step
+
+        def timed_step() -> Any:
+            t0 = time.perf_counter()
+            out = step()
+            kind = "with prompts" if engine.last_stats.num_prompt_tokens else "decode"
+            n, sec = self.kinds.get(kind, (0, 0.0))
+            self.kinds[kind] = [n + 1, sec + time.perf_counter() - t0]
+            return out
+
+        engine.step = timed_step
 
 
 def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, args: argparse.Namespace,
@@ -121,7 +139,8 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, arg
     print(f"\n== k={k} c={c}: {run.tokens_per_s:.1f} tok/s, AL {run.spec.acceptance_length:.2f}, {steps} steps, "
           f"{wall / steps * 1e3:.3f} ms/step ({phases} ms/step), uniform {runs} (replayed {replays}), "
           f"overlapped {engine.num_overlapped_steps - overlapped0}, general steps "
-          f"{timer.calls.get('  general', 0)}, prefill steps {timer.calls.get('  prefill', 0)}")
+          f"{timer.calls.get('  general', 0)}, prefill steps {timer.calls.get('  prefill', 0)}; wall by step kind: "
+          + ", ".join(f"{kind} {n} x {sec / n * 1e3:.3f} ms" for kind, (n, sec) in timer.kinds.items()))
     if py_prof is not None:
         pstats.Stats(py_prof).sort_stats(args.python_sort).print_stats(args.top)
     if not args.torch_profile:
