@@ -80,3 +80,27 @@ def test_abort_while_a_step_is_in_flight(worded: Path) -> None:
     alone = LLM(str(worded), num_speculative_tokens=3, dtype="float32").generate([prompts[0], prompts[2]], params)
     assert [done["0"].token_ids, done["2"].token_ids] == [o.token_ids for o in alone]
     assert engine.blocks.all_free
+
+
+def test_finished_requests_are_freed_without_breaking_the_pipeline(worded: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that finished while the next step was in flight is freed by the plan launched after it,
+    still overlapped: at high load requests finish nearly every step, and each drain would cost a step's
+    worth of idle device."""
+    params = [SamplingParams(max_tokens=9 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    sync, _ = _generate(worded, params, overlap=False, k=3)
+    freeing: list[list[str]] = []
+    llm = LLM(str(worded), num_speculative_tokens=3, async_scheduling=True, dtype="float32")
+    plan_overlapped = llm.engine.scheduler.schedule_overlapped
+
+    def spy(in_flight):
+        plan = plan_overlapped(in_flight)
+        if plan is not None and plan.freed_ids:
+            freeing.append(plan.freed_ids)
+        return plan
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule_overlapped", spy)
+    overlapped = llm.generate(prompts_of(97, [5, 8, 3, 12, 6, 9, 4], seed=2), params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
+    assert len(freeing) >= 4, freeing  # most of the 6 finishes before the last one
+    assert llm.engine.blocks.all_free

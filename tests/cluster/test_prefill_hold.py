@@ -66,6 +66,15 @@ def test_a_quarter_of_the_batch_waiting_joins_at_once(trained_ckpt: Path) -> Non
     assert _waits(engine, "late1") == 1
 
 
+def test_an_arrival_for_the_last_free_slot_of_a_full_batch_waits_the_hold(trained_ckpt: Path) -> None:
+    """At high load slots free up a few a step: filled at once, each would cost a step with prompts of its
+    own; held, they are filled together every `hold` steps."""
+    engine = _engine(trained_ckpt, hold=3, max_num_seqs=9)
+    _decoding(engine, 8)
+    engine.add_request("late", prompts_of(64, [7], seed=4)[0], GREEDY)  # would fill every free slot
+    assert _waits(engine, "late") == 3
+
+
 def test_the_hold_changes_no_output(trained_ckpt: Path) -> None:
     def run(hold: int) -> dict[str, list[int]]:
         engine, done = _engine(trained_ckpt, hold, max_num_seqs=6), {}
