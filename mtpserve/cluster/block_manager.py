@@ -142,6 +142,14 @@ class KVBlockManager:
             blocks.extend(fresh)
         return new
 
+    def allocate_all(self, wanted: list[tuple[str, list[int]]]) -> list[list[list[int]]] | None:
+        """allocate(req_id, slots) for each of `wanted`, all or none: None (and no change) when the pools
+        cannot hold them all. A plan that is dropped must not leave blocks the workers never heard of."""
+        missing = [self._missing(req_id, slots) for req_id, slots in wanted]
+        if any(sum(need) > pool.num_free for need, pool in zip(zip(*missing), self.pools)):
+            return None
+        return [self.allocate(req_id, slots) for req_id, slots in wanted]
+
     def share_cached_prefix(self, req_id: str, token_ids: list[int], hashes: list[list[bytes]],
                             groups: tuple[int, ...]) -> int:
         """Give a request (holding no blocks) the cached blocks of its longest prefix that every group in

@@ -140,35 +140,43 @@ class Scheduler:
         join (SchedulerConfig.prefill_hold_steps): each request then verifies its new drafts, which are
         already on the device. Its accepted count is not known yet, so blocks are allocated for the worst
         case (every draft in flight accepted), and a request that might finish in flight sits this step
-        out. Requests that finished since carry on in the step in flight (their tokens are dropped) and are
-        freed by this plan: the workers run steps in order, so nothing reuses their slots or blocks before
-        that step is done. None: the engine drains first.
+        out; in the plan after it, its state is the host's, as in a synchronous step. Requests that finished
+        since carry on in the step in flight (their tokens are dropped) and are freed by this plan: the
+        workers run steps in order, so nothing reuses their slots or blocks before that step is done.
+        None: the engine drains first.
         """
-        if self._admitting() or len(in_flight.req_ids) < len(self.running):
+        if self._admitting():
             return None
         drafts_in_flight = dict(zip(in_flight.req_ids, in_flight.num_drafts))
         made_in_flight = dict(zip(in_flight.req_ids, in_flight.num_spec))  # the drafts this plan verifies
         self._choose_k()
-        plan, budget = StepPlan(), self.config.max_num_batched_tokens
+        wanted: list[tuple[Request, int, int, int]] = []  # (request, tokens it may emit in flight, drafts, spec)
+        budget = self.config.max_num_batched_tokens
         for req in self.running:
-            ahead = drafts_in_flight.get(req.request_id, -1) + 1  # tokens the step in flight may emit
+            if len(req.token_ids) - req.num_computed != 1:
+                return None  # still prefilling
+            spec, drafts = self._spec(req), drafts_in_flight.get(req.request_id)
+            if drafts is None:  # it sat the step in flight out: nothing of it is in flight
+                ahead, made = 0, req.num_drafts
+                if 0 <= req.live_spec < spec:  # k rises past lagging modules: the synchronous path rewinds
+                    return None
+            else:
+                ahead, made = drafts + 1, made_in_flight.get(req.request_id, req.num_spec)  # tokens it may emit
+                if spec > made:  # k rises: the workers find lagging modules from their host state, which the
+                    return None  # step in flight has yet to advance, so the engine drains first
             left = req.tokens_left - ahead
-            if ahead == 0 or len(req.token_ids) - req.num_computed != 1:
-                return None  # not decoding in that step
             if left < 1 or budget < 1:
                 continue
-            made, spec = made_in_flight.get(req.request_id, req.num_spec), self._spec(req)
-            if spec > made:  # k rises: the workers find lagging modules from their host state, which the step
-                return None  # in flight has yet to advance, so the engine drains first
             d = max(0, min(made, spec, budget - 1, left - 1))
-            new_blocks = self._allocate(req, 1 + ahead, d, final=True)
-            if new_blocks is None:
-                return None  # the synchronous path may preempt
-            self._add_to_plan(plan, req, 1, d, new_blocks, spec)
+            wanted.append((req, ahead, d, spec))
             budget -= 1 + d
-        if not plan.req_ids:
-            return None
-        plan.freed_ids, self._freed = self._freed, []
+        grown = self._allocate_all([(req, 1 + ahead, d) for req, ahead, d, _ in wanted]) if wanted else None
+        if grown is None:
+            return None  # nothing to run, or the synchronous path may preempt
+        plan = StepPlan(freed_ids=self._freed)
+        self._freed = []
+        for (req, _, d, spec), new_blocks in zip(wanted, grown):
+            self._add_to_plan(plan, req, 1, d, new_blocks, spec)
         self.num_steps += 1
         return plan
 
@@ -275,15 +283,28 @@ class Scheduler:
             self.blocks.offer_committed(req.request_id, req.token_ids, req.num_computed, req.block_hashes,
                                         self._groups(req), req.modules_exact_upto)
 
-    def _allocate(self, req: Request, n: int, d: int, final: bool | None = None) -> list[list[int]] | None:
+    def _allocate(self, req: Request, n: int, d: int) -> list[list[int]] | None:
         """The blocks each group gains this step ([]: none, the usual decode step); None when some group lacks
         free blocks."""
         if req.num_computed + n + d <= req.kv_room:
             return []
-        new_blocks = self.blocks.allocate(req.request_id, self._slots(req, n, d, final))
+        new_blocks = self.blocks.allocate(req.request_id, self._slots(req, n, d))
         if new_blocks is not None:
             req.kv_room = self._kv_room(req)
         return new_blocks
+
+    def _allocate_all(self, wanted: list[tuple[Request, int, int]]) -> list[list[list[int]]] | None:
+        """_allocate for each (request, tokens, drafts) of `wanted` as a final step, all or none (an overlapped
+        plan that is dropped must not leave blocks behind that its workers never heard of)."""
+        grow = [i for i, (req, n, d) in enumerate(wanted) if req.num_computed + n + d > req.kv_room]
+        grown = self.blocks.allocate_all([(wanted[i][0].request_id, self._slots(*wanted[i], final=True)) for i in grow])
+        if grown is None:
+            return None
+        out: list[list[list[int]]] = [[] for _ in wanted]
+        for i, new_blocks in zip(grow, grown):
+            out[i] = new_blocks
+            wanted[i][0].kv_room = self._kv_room(wanted[i][0])
+        return out
 
     def _kv_room(self, req: Request) -> int:
         """Request.kv_room from its block tables: module m's group must also hold the `extra` positions its

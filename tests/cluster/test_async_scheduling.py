@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mtpserve import LLM, SamplingParams
+from mtpserve.cluster.block_manager import KVBlockManager
 from mtpserve.cluster.engine import LLMEngine
 from tests.checkpoints import make_hf_checkpoint
 from tests.conftest import prompts_of
@@ -104,3 +105,15 @@ def test_finished_requests_are_freed_without_breaking_the_pipeline(worded: Path,
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
     assert len(freeing) >= 4, freeing  # most of the 6 finishes before the last one
     assert llm.engine.blocks.all_free
+
+
+def test_an_overlapped_plan_dropped_for_lack_of_blocks_allocates_none() -> None:
+    """All or none: blocks taken for the first requests of a plan that is then dropped (a later one found no
+    room) would sit in the scheduler's tables without the workers ever hearing of them, and the next plan,
+    finding them there, would send none: the workers would write that KV elsewhere (outputs diverged under
+    preemption with a tight KV budget)."""
+    blocks = KVBlockManager(num_groups=2, num_blocks=4, block_size=4)
+    assert blocks.allocate_all([("a", [8, 8]), ("b", [12, 4])]) is None  # b's target needs a fifth block
+    assert blocks.tables == {} and all(pool.num_free == 4 for pool in blocks.pools)
+    grown = blocks.allocate_all([("a", [8, 8]), ("b", [8, 4])])
+    assert [[len(g) for g in per_request] for per_request in grown] == [[2, 2], [2, 1]]
