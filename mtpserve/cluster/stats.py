@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
@@ -17,15 +18,20 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
     drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
+    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """A step's verifications: per request, drafts verified and of them accepted (0 drafts: none). Counted
+        per distinct count, not per draft: a step of 256 requests holds at most K + 1 of them."""
+        verified = [(d, a) for d, a in zip(num_drafts, num_accepted) if d > 0]
+        if not verified:
             return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        for j in range(num_drafts):
-            self.drafted_per_position[j] += 1
-            self.accepted_per_position[j] += j < num_accepted
+        drafted, accepted = Counter(d for d, _ in verified), Counter(a for _, a in verified)
+        self.num_drafts += len(verified)
+        self.num_draft_tokens += sum(d * n for d, n in drafted.items())
+        self.num_accepted_tokens += sum(a * n for a, n in accepted.items())
+        for counts, per_position in ((drafted, self.drafted_per_position), (accepted, self.accepted_per_position)):
+            for upto, n in counts.items():  # positions 0 .. upto - 1
+                for j in range(upto):
+                    per_position[j] += n
 
     def add(self, other: "SpecCounters") -> None:
         self.num_drafts += other.num_drafts

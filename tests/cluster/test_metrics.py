@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtpserve.cluster.client import AsyncClient, Client, Generation
 from mtpserve.cluster.engine_config import EngineConfig
 from mtpserve.cluster.serve import ServerOptions, ServerThread, load_engine
+from mtpserve.cluster.stats import SpecCounters
 from tests.checkpoints import write_tokenizer
 from tests.conftest import prompts_of
 
@@ -192,3 +193,18 @@ def test_prefix_cache_counters(ckpt: Path) -> None:
         assert value(s, "mtpserve_prefill_tokens_total") == len(first) + len(second) - 8
     finally:
         server.stop()
+
+
+def test_spec_counters_count_each_position_a_step_verified() -> None:
+    """A step's verifications counted per distinct draft count equal counting draft by draft."""
+    drafts, accepted = [3, 0, 3, 1, 4, 3], [1, 0, 3, 0, 2, 1]
+    counters = SpecCounters()
+    counters.record(drafts, accepted)
+    counters.record([2], [2])
+    expected_drafted, expected_accepted = [0] * 8, [0] * 8
+    for d, a in zip(drafts + [2], accepted + [2]):
+        for j in range(d):
+            expected_drafted[j] += 1
+            expected_accepted[j] += j < a
+    assert counters.drafted_per_position == expected_drafted and counters.accepted_per_position == expected_accepted
+    assert (counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens) == (6, 16, 9)
