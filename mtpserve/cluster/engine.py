@@ -234,8 +234,8 @@ class LLMEngine:
             device = result.device_seconds if overlapped else inside + waited
             host = seconds - (waited if overlapped else inside + waited)
             tokens = sum(result.num_accepted) + len(result.num_accepted)
-            # The batch's sampling mode as the chooser last saw it: the plan's own, since a step is timed only
-            # after one of the same kind (a batch that changed is not timed, _StepClock).
+            # The batch's sampling mode as the chooser last saw it: the plan's own, except in the one step after
+            # the running set changed mode (its sample lands in the other table, where the median ignores it).
             self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped, tokens,
                                         self.adaptive.greedy)
 
