@@ -11,30 +11,21 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.kernels import use_fused
+from mtpserve.kernels.counter_uniforms_ref import counter_uniforms_ref
+
 # Streams keep the draws of one token index independent of each other.
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_SAMPLE = 1, 2, 3
 
-_MASK64 = -1  # all 64 bits, as a signed int64
-_M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64 multipliers as signed int64
-_GOLDEN = -7046029254386353131
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
-
 
 def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
-    """seed, index: int64 tensors of one shape -> float32 uniforms in [0, 1) of that shape."""
-    x = _mix(seed * _GOLDEN + stream)
-    x = _mix(x ^ (index * _M2))
-    return _shr(x, 40).float() * (1.0 / (1 << 24))
+    """seed, index: int64 tensors (broadcastable) -> float32 uniforms in [0, 1) of their broadcast shape: the
+    same bits on every device (kernels/counter_uniforms_ref.py), in one kernel on CUDA."""
+    if use_fused(seed):
+        from mtpserve.kernels.counter_uniforms import counter_uniforms
+
+        return counter_uniforms(seed, index, stream)
+    return counter_uniforms_ref(seed, index, stream)
 
 
 @dataclass
