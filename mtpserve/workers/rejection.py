@@ -25,23 +25,26 @@ def verify(
     u_sample: torch.Tensor,  # [R, K+1] uniforms
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (tokens [R, K+1]: accepted drafts then the emitted token at index a, num_accepted a [R])."""
-    num_reqs, window, vocab = p.shape
+    num_reqs, window, _ = p.shape
     k = window - 1
     rows = torch.arange(num_reqs, device=p.device)
-    # scatter_add: ids may repeat (zero-probability padding when the vocabulary is smaller than M).
-    q = torch.zeros(num_reqs, k, vocab, device=p.device, dtype=p.dtype).scatter_add_(2, q_ids, q_probs)
-
+    # q' lives on its M proposals only: no [R, K, V] tensor (at a 152k vocabulary and 256 requests it would be
+    # over 600 MB a step). Ids may repeat (zero-probability padding when the vocabulary is smaller than M),
+    # so q'(d) is the sum over the proposals equal to d, as a dense scatter_add would hold it.
     p_d = p[:, :k].gather(2, draft_ids[..., None]).squeeze(-1)
-    q_d = q.gather(2, draft_ids[..., None]).squeeze(-1)
+    q_d = (q_probs * (q_ids == draft_ids[..., None])).sum(-1)
     accept = torch.where(greedy[:, None], draft_ids == target_argmax[:, :k], u_accept * q_d < p_d)
     accept &= torch.arange(k, device=p.device)[None, :] < num_drafts[:, None]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
 
     # Emit from the residual at the first rejection; at a == num_drafts q is zero, so this is the bonus p.
     p_a = p[rows, num_accepted]
-    rejected = (num_accepted < num_drafts)[:, None]
-    q_a = q[rows, num_accepted.clamp(max=max(k - 1, 0))] * rejected if k > 0 else torch.zeros_like(p_a)
-    residual = (p_a - q_a).clamp(min=0.0)
+    residual = p_a
+    if k > 0:
+        at = num_accepted.clamp(max=k - 1)
+        rejected = (num_accepted < num_drafts)[:, None]
+        residual = p_a.scatter_add(1, q_ids[rows, at], -(q_probs[rows, at] * rejected))  # p - q' on the proposals
+    residual = residual.clamp(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_a)  # p == q' up to rounding
     emitted = torch.where(greedy, target_argmax[rows, num_accepted], sample(residual, u_sample[rows, num_accepted]))
 

@@ -105,3 +105,48 @@ def test_zero_probability_padding_of_the_proposal_changes_nothing() -> None:
     plain = verify(*args, q_ids.expand(64, -1, -1), q_probs.expand(64, -1, -1), *rest)
     padded = verify(*args, padded_ids.expand(64, -1, -1), padded_probs.expand(64, -1, -1), *rest)
     assert torch.equal(plain[0], padded[0]) and torch.equal(plain[1], padded[1])
+
+
+def _dense_verify(p, target_argmax, draft_ids, q_ids, q_probs, num_drafts, greedy, u_accept, u_sample):
+    """The textbook form, with q' scattered over the whole vocabulary (what verify avoids building)."""
+    from mtpserve.workers.sampling import sample
+
+    num_reqs, window, vocab = p.shape
+    k, rows = window - 1, torch.arange(num_reqs)
+    q = torch.zeros(num_reqs, k, vocab, dtype=p.dtype).scatter_add_(2, q_ids, q_probs)
+    p_d = p[:, :k].gather(2, draft_ids[..., None]).squeeze(-1)
+    q_d = q.gather(2, draft_ids[..., None]).squeeze(-1)
+    accept = torch.where(greedy[:, None], draft_ids == target_argmax[:, :k], u_accept * q_d < p_d)
+    accept &= torch.arange(k)[None, :] < num_drafts[:, None]
+    a = accept.long().cumprod(dim=1).sum(dim=1)
+    p_a = p[rows, a]
+    q_a = q[rows, a.clamp(max=max(k - 1, 0))] * (a < num_drafts)[:, None] if k > 0 else torch.zeros_like(p_a)
+    residual = (p_a - q_a).clamp(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_a)
+    emitted = torch.where(greedy, target_argmax[rows, a], sample(residual, u_sample[rows, a]))
+    tokens = torch.cat((draft_ids, draft_ids.new_zeros(num_reqs, 1)), dim=1)
+    tokens[rows, a] = emitted
+    return tokens, a
+
+
+def test_the_proposals_are_never_spread_over_the_vocabulary_and_nothing_changes() -> None:
+    """verify keeps q' on its M proposals (a dense [R, K, V] copy is over 600 MB a step at a 152k vocabulary
+    and 256 requests); its tokens equal the dense form's bit for bit, padded duplicate ids included."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        rows, k, vocab, m = 6, 1 + trial % 4, 5 + trial % 30, 4
+        p = torch.rand(rows, k + 1, vocab, generator=gen) ** 3
+        p /= p.sum(-1, keepdim=True)
+        q_ids = torch.stack([torch.randperm(vocab, generator=gen)[:m] for _ in range(rows * k)]).view(rows, k, m)
+        q_ids[..., m - 1] = q_ids[..., 0]  # a padded duplicate of entry 0, with zero probability
+        q_probs = torch.rand(rows, k, m, generator=gen)
+        q_probs[..., m - 1] = 0.0
+        q_probs /= q_probs.sum(-1, keepdim=True)
+        drafts = torch.where(torch.rand(rows, k, generator=gen) < 0.7, q_ids[..., 0],
+                             torch.randint(0, vocab, (rows, k), generator=gen))
+        args = (p, p.argmax(-1), drafts, q_ids, q_probs, torch.randint(0, k + 1, (rows,), generator=gen),
+                torch.rand(rows, generator=gen) < 0.3, torch.rand(rows, k, generator=gen),
+                torch.rand(rows, k + 1, generator=gen))
+        tokens, accepted = verify(*args)
+        dense_tokens, dense_accepted = _dense_verify(*args)
+        assert torch.equal(tokens, dense_tokens) and torch.equal(accepted, dense_accepted), trial
