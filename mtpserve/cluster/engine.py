@@ -237,7 +237,7 @@ class LLMEngine:
             # The batch's sampling mode as the chooser last saw it: the plan's own, except in the one step after
             # the running set changed mode (its sample lands in the other table, where the median ignores it).
             self.adaptive.costs.observe(len(plan.req_ids), k, device, max(host, 0.0), overlapped, tokens,
-                                        self.adaptive.greedy)
+                                        self.adaptive.greedy, seconds)
 
     def _prompt_tokens(self, plan: StepPlan) -> int:
         """Prompt tokens this plan computes (recomputation after preemption counts again)."""

@@ -188,10 +188,10 @@ def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Calla
     observe = StepCosts.observe
 
     def observed(self: StepCosts, batch: int, k: int, device: float, host: float, overlapped: bool,
-                 tokens: float, greedy: bool = True) -> None:
+                 tokens: float, greedy: bool = True, lap: float = 0.0) -> None:
         assert not overlapped, "no device timed the step: the CPU runs it inside the launch"
         samples.append(device + host)
-        observe(self, batch, k, device, host, overlapped, tokens, greedy)
+        observe(self, batch, k, device, host, overlapped, tokens, greedy, lap)
 
     monkeypatch.setattr(StepCosts, "observe", observed)
     return llm, samples, clock  # clock.now: the engine's time
@@ -253,9 +253,9 @@ def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path,
     shares: list[tuple[float, float]] = []
     emitted: list[tuple[int, float]] = []
     observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy: (
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy, lap: (
         shares.append((device, host)), emitted.append((batch, tokens, greedy)),
-        observe(self, batch, k, device, host, overlapped, tokens, greedy)))
+        observe(self, batch, k, device, host, overlapped, tokens, greedy, lap)))
     scheduler = llm.engine.scheduler
     plan_overlapped = scheduler.schedule_overlapped
 

@@ -175,8 +175,9 @@ def test_overlapped_decode_steps_feed_their_device_and_host_shares(partly_traine
     cost model gets both shares of every sampled lap."""
     shares: list[tuple[float, float, bool]] = []
     observe = StepCosts.observe
-    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy: (
-        shares.append((device, host, overlapped)), observe(self, batch, k, device, host, overlapped, tokens, greedy)))
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy, lap: (
+        shares.append((device, host, overlapped)), observe(self, batch, k, device, host, overlapped, tokens, greedy,
+                                                           lap)))
     llm = LLM(str(partly_trained), device="cuda", dtype="float32", max_num_seqs=8)  # "auto" by default
     llm.generate(prompts_of(64, [6, 9, 7], seed=1), SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     assert len(shares) > 10
