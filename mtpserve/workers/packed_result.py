@@ -22,9 +22,10 @@ def result_from_rows(reqs: list[CachedRequest], rows: list[list[int]] | list[lis
     a accepted drafts plus one sampled token, and its logprobs where asked."""
     accepted = [int(row[0]) for row in rows]
     tokens = [row[1 : a + 2] for row, a in zip(rows, accepted)]
+    logprobs: list[list[dict[int, float]] | None] = [None] * len(rows)
     if rows and isinstance(rows[0][0], float):  # logprobs came along: ids travelled as float64
         tokens = [[int(t) for t in ts] for ts in tokens]
-    logprobs = [logprob_dicts(row, a, k, r.params.logprobs) for r, row, a in zip(reqs, rows, accepted)]
+        logprobs = [logprob_dicts(row, a, k, r.params.logprobs) for r, row, a in zip(reqs, rows, accepted)]
     return StepResult([r.req_id for r in reqs], tokens, accepted, logprobs)
 
 
