@@ -146,7 +146,7 @@ class PrefillStep:
         old_carry = self.buffers.carry[x.slots]
         sampler = DraftSampler(chain, x.slots, x.verified + 1, samp, shape.flags)
         num_spec = self.state.num_spec[x.slots]
-        carry, prev, last = [], target_rows, None
+        carry, moved, prev, last = [], [], target_rows, None
         for j, step in enumerate(chain_steps(k, self.num_modules, self.mode)):
             m, used = step.module, num_spec > j
             if step.offset == 0:
@@ -158,7 +158,8 @@ class PrefillStep:
                 g, last = g[rows.last], prev[rows.last]
                 # g^m at the new commit - 1 (a row of this chunk whenever the commit moved)
                 at = rows.first[:-1] + torch.minimum((commit - 1 - x.starts).clamp(min=0), (x.lens - 1).clamp(min=0))
-                carry.append((m, prev[at.clamp(max=len(prev) - 1)], used & (commit > x.starts)))
+                carry.append(prev[at.clamp(max=len(prev) - 1)])
+                moved.append(used & (commit > x.starts))
             else:  # recursive: one row at p + offset from the previous chain step
                 meta, p = window_rows(self.state, 1 + m, x.slots, x.verified - 1 + step.offset, 1,
                                       (used & final).long())
@@ -168,7 +169,7 @@ class PrefillStep:
             drafts.append(token)
             proposals.append((ids, probs))
             tail[:, 1 + j] = torch.where(final, token, tail[:, 1 + j])
-        chain.store(x.slots, torch.stack(drafts, 1), proposals, carry, old_carry)
+        chain.store(x.slots, torch.stack(drafts, 1), proposals, carry, torch.stack(moved) if moved else None, old_carry)
 
     @staticmethod
     def _module_tokens(x: PrefillInputs, rows: _Rows, tail: torch.Tensor, m: int) -> torch.Tensor:

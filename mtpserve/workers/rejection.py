@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from mtpserve.kernels import use_fused
+from mtpserve.kernels.greedy_accept_ref import greedy_accept_ref
 from mtpserve.workers.sampling import sample
+
+
+def greedy_accepted(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Drafts [R, K] accepted against the target's argmax [R, K+1], within num_drafts [R] -> [R] int64: an
+    accepted draft equals the argmax at its position. One kernel on CUDA."""
+    if use_fused(drafts):  # imported here: triton is imported only where a kernel runs
+        from mtpserve.kernels.greedy_accept import greedy_accept
+
+        return greedy_accept(drafts, target_argmax, num_drafts)
+    return greedy_accept_ref(drafts, target_argmax, num_drafts)
 
 
 def verify(

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mtpserve.kernels import use_fused
+from mtpserve.kernels.chain_layout_ref import ChainLayout, chain_layout_ref
 from mtpserve.kernels.window_metadata_ref import window_metadata_ref
 from mtpserve.sampling_params import SamplingParams
 from mtpserve.workers.attention import AttentionMetadata
@@ -103,6 +104,26 @@ def window_rows(state: DeviceState, group: int, slots: torch.Tensor, first_pos: 
     # max_seq_len only sizes the CPU reference's gather; the Triton kernel reads seq_lens on the device.
     max_seq_len = int(seq_lens.max()) if not slots.is_cuda else state.max_blocks * state.block_size
     return AttentionMetadata(qsl, seq_lens, state.tables[group, slots], slot_mapping, q, max_seq_len), pos
+
+
+def chain_rows(state: DeviceState, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor,
+               emitted: torch.Tensor, passes: int) -> ChainLayout:
+    """The layout of a uniform step's first `passes` module passes (module p over window + p rows, in KV group
+    1 + p), built at once: one kernel on CUDA (mtpserve/kernels/chain_layout_ref.py)."""
+    build = chain_layout_ref
+    if use_fused(slots):
+        from mtpserve.kernels.chain_layout import chain_layout as build
+    return build(state.tables, state.capacity, state.num_spec, slots, seq_len, accepted, emitted, passes,
+                 state.block_size)
+
+
+def pass_rows(state: DeviceState, lay: ChainLayout, p: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Module pass p's attention metadata and positions [B * q] out of the chain's layout (window_rows' form)."""
+    span, q = lay.span(p), lay.window + p
+    max_seq_len = int(lay.seq_lens[p].max()) if not lay.seq_lens.is_cuda else state.max_blocks * state.block_size
+    meta = AttentionMetadata(lay.query_start_loc[p], lay.seq_lens[p], lay.block_tables[p], lay.slot_mapping[span],
+                             q, max_seq_len)
+    return meta, lay.positions[span]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.models.mtp import MTPStack
 from mtpserve.workers.sampling import STREAM_DRAFT, SamplingTensors, apply_penalties, sample, to_probs, top_m, uniforms
-from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
+from mtpserve.workers.slot_state import DeviceState, SamplingFlags, chain_rows, pass_rows, window_rows
 from mtpserve.workers.state import SlotBuffers
 
 
@@ -40,55 +40,52 @@ class UniformChain:
         self.mtp, self.embed, self.head, self.kv = mtp, embed, head, kv
         self.buffers, self.state, self.mode, self.top_m, self.num_modules = buffers, state, mode, top_m, num_modules
 
-    def __call__(self, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor,
-                 target_rows: torch.Tensor, shape, samp: SamplingTensors) -> None:
-        """emitted [B, w] (valid up to index a), target_rows [B, w, H]: hidden for module 0.
+    def __call__(self, slots: torch.Tensor, seq_len: torch.Tensor, frontier: torch.Tensor, accepted: torch.Tensor,
+                 emitted: torch.Tensor, target_rows: torch.Tensor, shape, samp: SamplingTensors) -> None:
+        """emitted [B, w] (valid up to index a), target_rows [B, w, H]: hidden for module 0; frontier [B]: the
+        verified tokens after the step (N + a + 1).
 
         Kernels are counted here: on small models a module pass is mostly launches, so the glue between
-        passes is built once per step (positions and KV slots in one kernel per pass, the token rows
-        written in place as drafts come, the carries read and written once)."""
+        passes is built once per step (one kernel lays out every window pass: positions, KV slots, block
+        tables, the rows to read back; the token rows are written in place as drafts come; the carries
+        are read and written once)."""
         batch, w, k = len(slots), shape.window, shape.chain
         steps = chain_steps(k, self.num_modules, self.mode)
-        sampler = DraftSampler(self, slots, seq_len + accepted + 1, samp, shape.flags)
-        js = torch.arange(k, device=slots.device)[:, None]  # [k, 1]: chain step j (window pass m = j)
-        used = self.state.num_spec[slots] > js  # [k, B]: whether a request's chain runs step j
-        limit = used * (w + js)  # [k, B]: rows step j may write (all q = w + m of a window pass; >= 1 past it)
-        first = seq_len - 1 - js  # [k, B]: window pass m starts at N - m - 1
-        at = accepted + js  # [k, B]: window pass m's drafting row, a + m
-        seq = torch.cat((emitted, emitted.new_zeros(batch, k)), dim=1)  # [B, w + k]: row j holds t_{N+j}
-        draft_at = (at + 1).T  # [B, k]: draft j's row in seq
+        lay = chain_rows(self.state, slots, seq_len, accepted, emitted, sum(step.offset == 0 for step in steps))
+        tokens = lay.tokens.view(-1)  # row j of request b holds t_{N+j}; drafts land at lay.draft_at
+        sampler = DraftSampler(self, slots, frontier, samp, shape.flags)
         old_carry = self.buffers.carry[slots]  # [B, modules, H]
-        rows = torch.arange(batch, device=slots.device)
+        recursive = any(step.offset for step in steps)
         drafts, proposals, carry, prev, last = [], [], [], target_rows, None
         for j, step in enumerate(steps):
             m = step.module
             if step.offset == 0:
                 q = w + m
-                meta, pos = window_rows(self.state, 1 + m, slots, first[m], q, limit[j])
+                meta, pos = pass_rows(self.state, lay, m)
                 # Hidden row j is module m - 1's row j - 1, and row 0 its carry (module 0: target row j).
-                g = self.mtp(m, seq[:, :q], prev, pos, meta, self.kv[m], self.embed,
+                g = self.mtp(m, lay.tokens[:, :q], prev, pos, meta, self.kv[m], self.embed,
                              first_hidden=None if m == 0 else old_carry[:, m - 1]).view(batch, q, -1)
                 prev = self.mtp.next_hidden(m, g)
-                g_at = g[rows, at[m]]
-                last = g_at if prev is g else prev[rows, at[m]]
-                carry.append((m, last if m == 0 else prev[rows, accepted], used[j]))
-                g = g_at
+                g, kept, last = _read_back(g, prev, lay.rows[m], recursive)
+                carry.append(kept)
             else:
-                meta, pos = window_rows(self.state, 1 + m, slots, seq_len + accepted - 1 + step.offset, 1, limit[j])
+                reach = (self.state.num_spec[slots] > j).long()  # rows past a request's own chain write nothing
+                meta, pos = window_rows(self.state, 1 + m, slots, frontier - 2 + step.offset, 1, reach)
                 g = self.mtp(m, drafts[j - 1], last, pos, meta, self.kv[m], self.embed)
                 last = self.mtp.next_hidden(m, g)
             token, ids, probs = sampler(j, self.mtp.logits(m, g, self.head, fp32=sampler.needs_fp32))
             drafts.append(token)
             proposals.append((ids, probs))
             if j + 1 < len(steps) and steps[j + 1].offset == 0:  # the next module pass reads this draft
-                seq.scatter_(1, draft_at[:, j : j + 1], token[:, None])
-        self.store(slots, torch.stack(drafts, 1), proposals, carry, old_carry)
+                tokens.scatter_(0, lay.draft_at[j], token)
+        self.store(slots, torch.stack(drafts, 1), proposals, carry, lay.used, old_carry)
 
-    def store(self, slots: torch.Tensor, drafts: torch.Tensor, proposals: list[Proposal],
-              carry: list[tuple[int, torch.Tensor, torch.Tensor]], old_carry: torch.Tensor) -> None:
+    def store(self, slots: torch.Tensor, drafts: torch.Tensor, proposals: list[Proposal], carry: list[torch.Tensor],
+              used: torch.Tensor | None, old_carry: torch.Tensor) -> None:
         """Write drafts, proposals (absent when every row is greedy: greedy verification never reads them)
-        and carries into the slots after the chain. carry lists modules 0, 1, ... in order, each with its
-        g^m row and whether it ran; old_carry [B, modules, H] is what they held before the step."""
+        and carries into the slots after the chain. carry lists modules 0, 1, ... in order, each its g^m row
+        [B, H]; used [>= len(carry), B]: whether the request's chain reached the module; old_carry
+        [B, modules, H] is what they held before the step."""
         b, k = self.buffers, drafts.shape[1]
         b.draft_tokens[slots, :k] = drafts
         if proposals and proposals[0][0] is not None:
@@ -96,9 +93,21 @@ class UniformChain:
             b.q_probs[slots, :k] = torch.stack([probs for _, probs in proposals], 1)
         if carry:
             n = len(carry)
-            new = torch.stack([g for _, g, _ in carry], 1)  # [B, n, H]
-            used = torch.stack([u for _, _, u in carry], 1)[..., None]  # [B, n, 1]
-            b.carry[slots, :n] = torch.where(used, new, old_carry[:, :n])
+            b.carry[slots, :n] = torch.where(used[:n].T[..., None], torch.stack(carry, 1), old_carry[:, :n])
+
+
+def _read_back(g: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor, recursive: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """After a window pass (g, prev [B, q, H]; rows [2, B]: flat drafting and carry rows) -> (g at the drafting
+    row, prev at the carry row, prev at the drafting row when recursive steps follow), in as few gathers as
+    the module allows: one when it hands g on unchanged."""
+    batch = rows.shape[1]
+    if prev is g:
+        both = g.reshape(batch * g.shape[1], -1).index_select(0, rows.view(-1))  # [2B, H]
+        return both[:batch], both[batch:], both[:batch]
+    flat, hidden = prev.reshape(-1, prev.shape[-1]), g.reshape(-1, g.shape[-1])
+    last = flat.index_select(0, rows[0]) if recursive else None
+    return hidden.index_select(0, rows[0]), flat.index_select(0, rows[1]), last
 
 
 class DraftSampler:

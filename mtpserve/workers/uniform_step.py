@@ -17,7 +17,7 @@ import torch
 
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
-from mtpserve.workers.rejection import verify
+from mtpserve.workers.rejection import greedy_accepted, verify
 from mtpserve.workers.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, apply_penalties, to_probs, uniforms
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
@@ -50,15 +50,15 @@ class UniformStep:
         seq_len = st.seq_len[slots]  # [B] verified tokens before this step
         ids = torch.cat((st.last_token[slots][:, None], self.buffers.draft_tokens[slots, : w - 1]), dim=1)
         meta, pos = window_rows(st, 0, slots, seq_len - 1, w, num_drafts + 1)  # rows past the drafts write nothing
-        hidden = self.target(ids.reshape(-1), pos, meta, self.kv.target)  # [B*w, H]
+        hidden, normed = self.target.forward_normed(ids.reshape(-1), pos, meta, self.kv.target)  # [B*w, H] each
         # [B*w, V]: a plain greedy batch verifies by argmax, which the upcast would not change (logprobs upcast)
-        raw = self.target.logits(hidden, fp32=not shape.flags.all_greedy or shape.flags.penalties)
+        raw = self.target.head_logits(normed, fp32=not shape.flags.all_greedy or shape.flags.penalties)
         samp = st.sampling(slots, shape.flags)
         tokens, accepted = self.verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
-        self._commit(slots, seq_len, accepted, tokens, shape.flags)
+        frontier = self._commit(slots, seq_len, accepted, tokens, shape.flags)
         if self.chain is not None and shape.chain > 0:
-            rows = hidden if self.hidden_pre_norm else self.target.norm(hidden)
-            self.chain(slots, seq_len, accepted, tokens, rows.view(len(slots), w, -1), shape, samp)
+            rows = hidden if self.hidden_pre_norm else normed
+            self.chain(slots, seq_len, frontier, accepted, tokens, rows.view(len(slots), w, -1), shape, samp)
         return torch.cat((accepted[:, None], tokens), dim=1), raw
 
     def verify(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor, drafts: torch.Tensor,
@@ -71,8 +71,7 @@ class UniformStep:
         if flags.all_greedy:  # exact and cheap: no distributions at all
             # An accepted draft equals the argmax at its position, so the argmax row is already the accepted
             # drafts followed by the emitted token (what lies past index a is never read).
-            accept = (drafts == argmax[:, :k]) & (torch.arange(k, device=raw.device) < num_drafts[:, None])
-            return argmax, accept.cumprod(dim=1).sum(dim=1)
+            return argmax, greedy_accepted(drafts, argmax, num_drafts)
         rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
         probs = to_probs(logits, samp.take(rows)).view(batch, k + 1, -1)
         seed, frontier = samp.seed[:, None], seq_len[:, None]
@@ -93,11 +92,14 @@ class UniformStep:
         return apply_penalties(raw, window, prompt_mask[rows], samp.take(rows))
 
     def _commit(self, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
-                flags: SamplingFlags) -> None:
-        """Advance the verified state on the device; sampler state moves on accepted tokens only."""
+                flags: SamplingFlags) -> torch.Tensor:
+        """Advance the verified state on the device; sampler state moves on accepted tokens only. Returns the
+        verified tokens after the step [B]."""
         st, rows = self.state, torch.arange(len(slots), device=slots.device)
-        st.seq_len[slots] = seq_len + accepted + 1
+        frontier = seq_len + accepted + 1
+        st.seq_len[slots] = frontier
         st.last_token[slots] = tokens[rows, accepted]
         if flags.penalties:
             kept = (torch.arange(tokens.shape[1], device=slots.device)[None, :] <= accepted[:, None]).float()
             self.buffers.add_counts(slots, tokens, kept)
+        return frontier

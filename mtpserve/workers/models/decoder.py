@@ -29,12 +29,29 @@ class TargetModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: list[LayerKV]
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states before the final norm, [T, hidden]."""
+        x, delta = self._layers(input_ids, positions, meta, kv)
+        return x if delta is None else x + delta
+
+    def forward_normed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv: list[LayerKV]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, and its final norm: (hidden [T, hidden], norm(hidden)); the last residual add and the norm
+        are one kernel on CUDA, rounded as the separate add."""
+        x, delta = self._layers(input_ids, positions, meta, kv)
+        return (x, self.norm(x)) if delta is None else self.norm.add_norm(x, delta)
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: list[LayerKV]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers -> (x, delta): the hidden states are x + delta, the last add left to the caller."""
         x, delta = self.embed_tokens(input_ids), None
         for layer, layer_kv in zip(self.layers, kv):
             x, delta = layer.forward_residual(x, delta, positions, meta, layer_kv)
-        return x if delta is None else x + delta
+        return x, delta
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Pre-norm hidden rows [n, hidden] -> logits [n, vocab]: fp32, or the head's dtype."""
-        out = self.lm_head(self.norm(hidden))
+        return self.head_logits(self.norm(hidden), fp32)
+
+    def head_logits(self, normed: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Normed hidden rows [n, hidden] -> logits [n, vocab]: fp32, or the head's dtype."""
+        out = self.lm_head(normed)
         return out.float() if fp32 else out
