@@ -20,14 +20,15 @@ def _teacher_forced_keys(llm: LLM, tokens: list[int]) -> list[torch.Tensor]:
     """Per module m: the K it should hold at positions 0..S-m-2 ([n, Hkv, D]), teacher forced."""
     model = llm.engine.executor.runner.model
     target, mtp, cfg = model.target, model.mtp, model.config
-    seq = torch.tensor([tokens])
+    dev = target.embed_tokens.weight.device  # the engine's device: CUDA where there is one
+    seq = torch.tensor([tokens], device=dev)
     h = target_hidden(target, seq)[0]
     prev = h if cfg.mtp.hidden_pre_norm else target.norm(h)
     keys = []
     for m in range(len(mtp)):
         n = len(tokens) - m - 1
         module = mtp.mtp[m]
-        positions = torch.arange(n)
+        positions = torch.arange(n, device=dev)
         emb = (module.embed_tokens or target.embed_tokens)(seq[0, m + 1 : m + 1 + n])
         emb = emb.masked_fill((positions == 0)[:, None], 0.0) if cfg.mtp.mask_position0 else emb
         e, hh = module.enorm(emb), module.hnorm(prev[:n])
@@ -53,15 +54,7 @@ def test_committed_mtp_kv_equals_teacher_forced(partly_trained: Path) -> None:
             out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
             req = runner.requests[out.request_id]
             expected = _teacher_forced_keys(llm, prompt + out.token_ids)
-            for m, keys in enumerate(expected):
-                committed = req.mtp_computed[m]
-                pos = torch.arange(committed)
-                table = torch.tensor(req.block_ids[1 + m])
-                slots = table[pos // 4] * 4 + pos % 4
-                pool = runner.kv.mtp[m].k.view(-1, *runner.kv.mtp[m].k.shape[2:])
-                torch.testing.assert_close(pool[slots], keys[:committed], rtol=1e-4, atol=1e-4,
-                                           msg=lambda msg: f"module {m}: {msg}")
-                checked += committed
+            checked += _assert_pools_match(llm, req, expected, 4)
     assert checked > 50
 
 
@@ -73,6 +66,7 @@ def _assert_pools_match(llm: LLM, req, keys: list[torch.Tensor], block_size: int
         pos = torch.arange(committed)
         slots = torch.tensor(req.block_ids[1 + m])[pos // block_size] * block_size + pos % block_size
         pool = runner.kv.mtp[m].k.view(-1, *runner.kv.mtp[m].k.shape[2:])
+        slots = slots.to(pool.device)
         torch.testing.assert_close(pool[slots], expected[:committed], rtol=1e-4, atol=1e-4,
                                    msg=lambda msg: f"module {m}: {msg}")
         checked += committed
