@@ -176,7 +176,8 @@ class MLP(nn.Module):
         if use_fused(gate_up):
             from mtpserve.kernels.silu_mul import silu_mul
 
-            return self.down_proj(silu_mul(gate_up))
+            # The kernel takes rows [T, 2I]; training batches come as [B, S, 2I].
+            return self.down_proj(silu_mul(gate_up.flatten(0, -2)).unflatten(0, gate_up.shape[:-1]))
         return self.down_proj(silu_mul_ref(gate_up))
 
 
