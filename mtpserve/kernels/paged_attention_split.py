@@ -5,10 +5,7 @@ streams a long context alone: at batch 1 an 8-KV-head model runs 8 programs per 
 request's context is cut into `num_splits` ranges of whole tiles; a program attends its request's
 whole query window (every query head of one KV head packed into the M dimension, as in
 paged_attention.py) over one range and writes an unnormalised partial result with its running max
-and sum (fp32, log2 units). The last program of a (request, KV head) to finish, found by an atomic
-counter, merges its splits in place: a second kernel for the merge was one more launch per attention
-layer, a few microseconds inside a CUDA graph (on small models a tenth of a layer). The two-kernel
-form stays for launches that outgrow the counters.
+and sum (fp32, log2 units); a second kernel merges the splits of every (token, head).
 
 Drop-in for `paged_attention` (same arguments and semantics) for batches whose requests each bring at
 most MAX_WINDOW queries. The split count is chosen on the host from the batch shape and the context
@@ -38,7 +35,7 @@ def _split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, out_ptr, counter_ptr, stride_ot, stride_oh, FUSED_MERGE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,38 +77,6 @@ def _split_kernel(
     ml_off = row_off * stride_mt + part * stride_ms + head
     tl.store(m_ptr + ml_off, m_i, mask=row_ok)
     tl.store(l_ptr + ml_off, l_i, mask=row_ok)
-    if FUSED_MERGE:
-        # The last split of (request, KV head) to finish merges them all: its partners' stores are released by
-        # their increments and acquired by its own (acq_rel). It then rearms the counter for the next launch.
-        counter = counter_ptr + req * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:
-            _merge_rows(out_ptr, acc_ptr, m_ptr, l_ptr, row_off, head, row_ok, stride_ot, stride_oh,
-                        stride_at, stride_as, stride_ah, stride_mt, stride_ms, NUM_SPLITS, BLOCK_M, HEAD_DIM)
-            tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _merge_rows(out_ptr, acc_ptr, m_ptr, l_ptr, row_off, head, row_ok, stride_ot, stride_oh,
-                stride_at, stride_as, stride_ah, stride_mt, stride_ms,
-                NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """_merge_kernel's arithmetic for the rows of one M tile (row_off [M] tokens, head [M]): the max first,
-    then the weighted sums, one split at a time."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    for s in range(NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + row_off * stride_mt + s * stride_ms + head, mask=row_ok,
-                                          other=-1.0e30))
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(NUM_SPLITS):
-        ml_off = row_off * stride_mt + s * stride_ms + head
-        weight = tl.exp2(tl.load(m_ptr + ml_off, mask=row_ok, other=-1.0e30) - m_max)  # [M]
-        l_sum += tl.load(l_ptr + ml_off, mask=row_ok, other=0.0) * weight
-        acc += tl.load(acc_ptr + row_off[:, None] * stride_at + s * stride_as + head[:, None] * stride_ah
-                       + offs_d[None, :], mask=row_ok[:, None], other=0.0) * weight[:, None]
-    out = acc / tl.where(row_ok, l_sum, 1.0)[:, None]  # every query sees position 0: l > 0 on real rows
-    tl.store(out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -150,21 +115,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_MAX_COUNTERS = 1 << 16  # (request, KV head) pairs one launch may merge in place
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's split counters (int32, all zero between launches: the last split rearms its own), or None
-    where `needed` exceeds them or they would be first allocated inside a graph capture."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return counters if needed <= _MAX_COUNTERS else None
-
-
 def num_splits_for(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, group: int,
                    sm_count: int, block_n: int = 64) -> int:
     """How many KV splits fill the GPU: 1 means the one-pass kernel is the better choice.
@@ -192,11 +142,8 @@ def paged_attention_split(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
-    fused_merge: bool = True,
 ) -> torch.Tensor:  # [T, H, D], q's dtype
-    """Causal attention of every query over its request's paged context, the context split across programs.
-    fused_merge: the last split of each (request, KV head) merges them (one launch); else a second kernel
-    merges (also where the launch outgrows the counters, or a capture would have to allocate them)."""
+    """Causal attention of every query over its request's paged context, the context split across programs."""
     check_paged_inputs(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -221,7 +168,6 @@ def paged_attention_split(
     upcast = _INTERPRETED and q.dtype != torch.float32  # see paged_attention.py
     if upcast:
         precision = "ieee"
-    counters = _counters(q.device, num_reqs * num_kv_heads) if fused_merge else None
     _split_kernel[(num_reqs, num_kv_heads, num_splits)](
         acc, stats[0], stats[1], q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale * _LOG2E,
         acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(1), stats.stride(2), q.stride(0), q.stride(1),
@@ -229,12 +175,8 @@ def paged_attention_split(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast,
-        out_ptr=out, counter_ptr=counters if counters is not None else stats, stride_ot=out.stride(0),
-        stride_oh=out.stride(1), FUSED_MERGE=counters is not None,
         num_warps=4 if block_m <= 64 else 8, num_stages=2,
     )
-    if counters is not None:
-        return out
     _merge_kernel[(num_tokens, num_heads)](
         out, acc, stats[0], stats[1],
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(1), stats.stride(2),

@@ -31,13 +31,12 @@ def _batch(case: str, dtype: torch.dtype, device: torch.device):
                       seed=list(CASES).index(case), strided_q=case == "verify-windows").to(device)
 
 
-@pytest.mark.parametrize("merge", ["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits", [1, 3, 8], ids=["1-split", "3-splits", "8-splits"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_split_kernel_matches_reference(kernels, case, splits, dtype, merge):
+def test_split_kernel_matches_reference(kernels, case, splits, dtype):
     b = _batch(case, dtype, kernels.device)
-    out = kernels.paged_attention_split(*b.args(), num_splits=splits, block_n=16, fused_merge=merge == "fused-merge")
+    out = kernels.paged_attention_split(*b.args(), num_splits=splits, block_n=16)
     ref = paged_attention_ref(*b.args())
     assert out.dtype == dtype and out.shape == b.q.shape
     tol = TOLERANCE[dtype]
@@ -49,19 +48,6 @@ def test_split_kernel_chooses_its_own_splits(kernels):
     b = _batch("decode-g4", torch.float32, kernels.device)
     torch.testing.assert_close(kernels.paged_attention_split(*b.args()), paged_attention_ref(*b.args()),
                                atol=1e-5, rtol=1e-5)
-
-
-def test_fused_merge_rearms_its_counters(kernels):
-    """The last split of each (request, KV head) resets its counter: launch after launch (other batch shapes in
-    between) merges right, and the counters are all zero after each, as a graph replay finds them."""
-    from mtpserve.kernels.paged_attention_split import _COUNTERS
-
-    first, second = (_batch(case, torch.float32, kernels.device) for case in ("verify-windows", "decode-g4"))
-    want = paged_attention_ref(*first.args())
-    for b in (first, second, first, first):
-        out = kernels.paged_attention_split(*b.args(), num_splits=3, block_n=16)
-        assert not _COUNTERS[out.device].any()
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_split_kernel_refuses_long_windows(kernels):
