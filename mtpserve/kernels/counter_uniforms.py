@@ -23,15 +23,22 @@ def _mix(x, m1, m2):
 
 
 @triton.jit
+def counter_uniform(seed, index, stream, golden, m1, m2):
+    """The uniform of int64 (seed, index) in `stream`, for kernels that draw their own (GOLDEN, M1 and M2 passed
+    in as int64 arguments)."""
+    x = _mix(seed * golden + stream, m1, m2)
+    x = _mix(x ^ (index * m2), m1, m2)
+    return ((x >> 40) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
 def _counter_uniforms_kernel(out_ptr, seed_ptr, index_ptr, n, stream, golden, m1, m2, BLOCK: tl.constexpr):
     # seed, index, out: [n] (the broadcast shape, flattened)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     seed = tl.load(seed_ptr + offs, mask=ok, other=0)
     index = tl.load(index_ptr + offs, mask=ok, other=0)
-    x = _mix(seed * golden + stream, m1, m2)
-    x = _mix(x ^ (index * m2), m1, m2)
-    tl.store(out_ptr + offs, ((x >> 40) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0), mask=ok)
+    tl.store(out_ptr + offs, counter_uniform(seed, index, stream, golden, m1, m2), mask=ok)
 
 
 def counter_uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int, block: int = 256) -> torch.Tensor:

@@ -26,7 +26,7 @@ from mtpserve.workers.batch import build_metadata
 from mtpserve.workers.chain import ChainStep, chain_steps
 from mtpserve.workers.device import to_device
 from mtpserve.workers.models.mtp import MTPStack
-from mtpserve.workers.sampling import STREAM_DRAFT, apply_penalties, sample, to_probs, top_m, uniforms
+from mtpserve.workers.sampling import apply_penalties, sample_draft
 from mtpserve.workers.state import CachedRequest, SlotBuffers, sampling_tensors
 
 
@@ -263,11 +263,7 @@ class _Chain:
         if self.extra_counts is not None:
             counts, prompt_mask = self.d.slots.penalty_state(slots)
             logits = apply_penalties(logits, counts + self.extra_counts[f], prompt_mask, st)
-        probs = to_probs(logits, st)
-        q_ids, q_probs = top_m(probs, self.d.top_m)
-        u = uniforms(st.seed, self.frontier[f] + j, STREAM_DRAFT)
-        sampled = q_ids.gather(1, sample(q_probs, u)[:, None]).squeeze(1)
-        tokens = torch.where(st.greedy, logits.argmax(-1), sampled)
+        tokens, q_ids, q_probs = sample_draft(logits, st, self.d.top_m, self.frontier[f] + j)
         self.tokens[f, j] = tokens
         self.last_hidden[f] = hidden
         self.q_ids[f, j] = _pad_m(q_ids, self.d.top_m)

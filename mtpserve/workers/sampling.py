@@ -13,6 +13,7 @@ import torch
 
 from mtpserve.kernels import use_fused
 from mtpserve.kernels.counter_uniforms_ref import counter_uniforms_ref
+from mtpserve.kernels.draft_sample_ref import draft_sample_ref
 
 # Streams keep the draws of one token index independent of each other.
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_SAMPLE = 1, 2, 3
@@ -112,7 +113,13 @@ def _threshold_by_bisection(probs: torch.Tensor, need: torch.Tensor) -> torch.Te
 
 
 def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Penalised logits [B, V] -> the request's sampling distribution [B, V] (temperature, top-k, top-p, min-p)."""
+    """Penalised logits [B, V] -> the request's sampling distribution [B, V] (temperature, top-k, top-p, min-p).
+    Logits [B, W, V] (a window of rows per request, st per request) give [B, W, V]."""
+    if logits.dim() == 3:
+        if not (st.use_top_k or st.use_top_p or st.use_min_p):  # temperature alone broadcasts over the window
+            return (logits / st.temperature[:, None, None]).softmax(dim=-1)
+        rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(logits.shape[1])
+        return to_probs(logits.flatten(0, 1), st.take(rows)).view_as(logits)
     logits = logits / st.temperature[:, None]
     if st.use_top_k:
         cap = min(st.top_k_cap if st.top_k_cap is not None else int(st.top_k.max()), logits.shape[-1])
@@ -120,6 +127,8 @@ def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         kth = kth.masked_fill((st.top_k > cap)[:, None], float("-inf"))  # rows with top-k off keep everything
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
+    if not (st.use_top_p or st.use_min_p):  # nothing removed after the softmax: it sums to 1 already
+        return probs
     if st.use_top_p:
         probs32 = probs.float()  # the search needs float32 bits; the cast is exact, and free when already float32
         probs = probs.masked_fill(probs32 < _top_p_threshold(probs32, st.top_p), 0.0)
@@ -139,6 +148,24 @@ def top_m(probs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncate to the top m entries and renormalise: -> (ids [B, m], probs [B, m])."""
     values, ids = probs.topk(min(m, probs.shape[-1]), dim=-1)
     return ids, values / values.sum(-1, keepdim=True)
+
+
+def sample_draft(logits: torch.Tensor, st: SamplingTensors, m: int, index: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft from (penalised) logits [B, V] at token index [B]: the request's distribution truncated to its top
+    m tokens and renormalised (the proposal q') -> (token [B], q' ids [B, m'], q' probs [B, m']), m' = min(m, V).
+    Greedy rows draft their top token. With temperature as the only filter, q' is the softmax of the top m
+    logits (the vocabulary's normaliser cancels): a topk and one kernel on CUDA (kernels/draft_sample_ref.py)."""
+    if st.use_top_k or st.use_top_p or st.use_min_p:
+        ids, probs = top_m(to_probs(logits, st), m)
+        sampled = ids.gather(1, sample(probs, uniforms(st.seed, index, STREAM_DRAFT))[:, None]).squeeze(1)
+        return torch.where(st.greedy, logits.argmax(-1), sampled), ids, probs
+    values, ids = logits.topk(min(m, logits.shape[-1]), dim=-1)
+    draw = draft_sample_ref
+    if use_fused(values):
+        from mtpserve.kernels.draft_sample import draft_sample as draw
+    token, probs = draw(values, ids, st.temperature, st.greedy, st.seed, index, STREAM_DRAFT)
+    return token, ids, probs
 
 
 def logprobs_topn(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

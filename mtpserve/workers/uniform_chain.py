@@ -25,7 +25,7 @@ from torch import nn
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.models.mtp import MTPStack
-from mtpserve.workers.sampling import STREAM_DRAFT, SamplingTensors, apply_penalties, sample, to_probs, top_m, uniforms
+from mtpserve.workers.sampling import SamplingTensors, apply_penalties, sample_draft
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, chain_rows, pass_rows, window_rows
 from mtpserve.workers.state import SlotBuffers
 
@@ -135,10 +135,7 @@ class DraftSampler:
             if self.extra is not None:
                 self.extra[torch.arange(len(argmax), device=argmax.device), argmax] += 1.0
             return argmax, None, None
-        ids, probs = top_m(to_probs(logits, st), m)
-        u = uniforms(st.seed, self.frontier + j, STREAM_DRAFT)
-        sampled = ids.gather(1, sample(probs, u)[:, None]).squeeze(1)
-        tokens = torch.where(st.greedy, logits.argmax(-1), sampled)
+        tokens, ids, probs = sample_draft(logits, st, m, self.frontier + j)
         if self.extra is not None:
             self.extra[torch.arange(len(tokens), device=tokens.device), tokens] += 1.0
         return tokens, _pad_m(ids, m), _pad_m(probs, m)

@@ -72,8 +72,7 @@ class UniformStep:
             # An accepted draft equals the argmax at its position, so the argmax row is already the accepted
             # drafts followed by the emitted token (what lies past index a is never read).
             return argmax, greedy_accepted(drafts, argmax, num_drafts)
-        rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
-        probs = to_probs(logits, samp.take(rows)).view(batch, k + 1, -1)
+        probs = to_probs(logits.view(batch, k + 1, -1), samp)
         seed, frontier = samp.seed[:, None], seq_len[:, None]
         b = self.buffers
         return verify(probs, argmax, drafts, b.q_ids[slots, :k], b.q_probs[slots, :k], num_drafts, samp.greedy,
