@@ -30,9 +30,8 @@ from mtpserve.workers.packed_result import logprob_dicts, result_from_rows, top_
 from mtpserve.workers.prefill_graphs import PrefillGraphs, finish_prefill
 from mtpserve.workers.prefill_step import PrefillStep
 from mtpserve.workers.models.loader import LoadedModel
-from mtpserve.workers.rejection import verify
-from mtpserve.workers.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, apply_penalties, logprobs_topn, to_probs,
-                                       uniforms)
+from mtpserve.workers.rejection import verify_seeded
+from mtpserve.workers.sampling import apply_penalties, logprobs_topn, to_probs
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs
 from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
                                     sampling_tensors)
@@ -297,14 +296,10 @@ class ModelRunner:
         logits = self._penalised(raw, st, slots, draft_ids, k) if st.use_penalties else raw
         st_rows = st.take(torch.arange(len(f_reqs), device=dev).repeat_interleave(k + 1))
         probs = to_probs(logits, st_rows).view(len(f_reqs), k + 1, -1)
-        frontier = to_device([len(r.token_ids) for r in f_reqs], torch.long, dev)[:, None]
-        seed = st.seed[:, None]
-        tokens, accepted = verify(
+        frontier = to_device([len(r.token_ids) for r in f_reqs], torch.long, dev)
+        tokens, accepted = verify_seeded(
             probs, logits.argmax(-1).view(len(f_reqs), k + 1), draft_ids, self.slots.q_ids[slots, :k],
-            self.slots.q_probs[slots, :k], num_drafts, st.greedy,
-            uniforms(seed, frontier + torch.arange(k, device=dev), STREAM_ACCEPT),
-            uniforms(seed, frontier + torch.arange(k + 1, device=dev), STREAM_SAMPLE),
-        )
+            self.slots.q_probs[slots, :k], num_drafts, st.greedy, st.seed, frontier)
         _force_resumed(f_reqs, tokens)
         host = self._to_host(f_reqs, torch.cat((accepted[:, None], tokens), dim=1), raw)  # the step's one sync
         result = result_from_rows(f_reqs, host, k)

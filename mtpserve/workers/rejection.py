@@ -12,7 +12,7 @@ import torch
 
 from mtpserve.kernels import use_fused
 from mtpserve.kernels.greedy_accept_ref import greedy_accept_ref
-from mtpserve.workers.sampling import sample
+from mtpserve.workers.sampling import STREAM_ACCEPT, STREAM_SAMPLE, sample, uniforms
 
 
 def greedy_accepted(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -63,3 +63,26 @@ def verify(
     tokens = torch.cat((draft_ids, draft_ids.new_zeros(num_reqs, 1)), dim=1)
     tokens[rows, num_accepted] = emitted
     return tokens, num_accepted
+
+
+def verify_seeded(
+    p: torch.Tensor,  # [R, K+1, V] float32
+    target_argmax: torch.Tensor,  # [R, K+1]
+    draft_ids: torch.Tensor,  # [R, K]
+    q_ids: torch.Tensor,  # [R, K, M]
+    q_probs: torch.Tensor,  # [R, K, M]
+    num_drafts: torch.Tensor,  # [R] int64
+    greedy: torch.Tensor,  # [R] bool
+    seed: torch.Tensor,  # [R] int64
+    frontier: torch.Tensor,  # [R] int64: the verified tokens before the step
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify() with the counter-based uniforms of each request: draft j's acceptance and the emitted token at
+    index a drawn at token index frontier + j (resp. + a). One kernel on CUDA (kernels/rejection_verify.py)."""
+    if use_fused(p) and p.dtype == torch.float32:
+        from mtpserve.kernels.rejection_verify import rejection_verify
+
+        return rejection_verify(p, target_argmax, draft_ids, q_ids, q_probs, num_drafts, greedy, seed, frontier,
+                                STREAM_ACCEPT, STREAM_SAMPLE)
+    k, index = draft_ids.shape[1], frontier[:, None] + torch.arange(p.shape[1], device=p.device)
+    return verify(p, target_argmax, draft_ids, q_ids, q_probs, num_drafts, greedy,
+                  uniforms(seed[:, None], index[:, :k], STREAM_ACCEPT), uniforms(seed[:, None], index, STREAM_SAMPLE))

@@ -17,8 +17,8 @@ import torch
 
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
-from mtpserve.workers.rejection import greedy_accepted, verify
-from mtpserve.workers.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, apply_penalties, to_probs, uniforms
+from mtpserve.workers.rejection import greedy_accepted, verify_seeded
+from mtpserve.workers.sampling import SamplingTensors, apply_penalties, to_probs
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
 from mtpserve.workers.uniform_chain import UniformChain
@@ -73,11 +73,9 @@ class UniformStep:
             # drafts followed by the emitted token (what lies past index a is never read).
             return argmax, greedy_accepted(drafts, argmax, num_drafts)
         probs = to_probs(logits.view(batch, k + 1, -1), samp)
-        seed, frontier = samp.seed[:, None], seq_len[:, None]
         b = self.buffers
-        return verify(probs, argmax, drafts, b.q_ids[slots, :k], b.q_probs[slots, :k], num_drafts, samp.greedy,
-                      uniforms(seed, frontier + torch.arange(k, device=raw.device), STREAM_ACCEPT),
-                      uniforms(seed, frontier + torch.arange(k + 1, device=raw.device), STREAM_SAMPLE))
+        return verify_seeded(probs, argmax, drafts, b.q_ids[slots, :k], b.q_probs[slots, :k], num_drafts, samp.greedy,
+                             samp.seed, seq_len)
 
     def _penalised(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor,
                    drafts: torch.Tensor) -> torch.Tensor:
