@@ -36,23 +36,23 @@ class LapRecorder:
     """The samples StepCosts.observe receives, per k (wrapped on the class: every engine's table)."""
 
     def __init__(self) -> None:
-        self.samples: dict[int, list[tuple[float, float]]] = {}  # k -> (device, host) per sample
+        self.samples: dict[int, list[tuple[float, float, float]]] = {}  # k -> (device, host, lap) per sample
         self.overlapped = False
         observe = StepCosts.observe
 
         def recorded(costs: StepCosts, batch: int, k: int, device: float, host: float = 0.0,
-                     overlapped: bool = False, tokens: float = 0.0) -> None:
-            self.samples.setdefault(k, []).append((device, host))
+                     overlapped: bool = False, tokens: float = 0.0, greedy: bool = True, lap: float = 0.0) -> None:
+            self.samples.setdefault(k, []).append((device, host, lap))
             self.overlapped = overlapped
-            observe(costs, batch, k, device, host, overlapped, tokens)
+            observe(costs, batch, k, device, host, overlapped, tokens, greedy, lap)
 
         StepCosts.observe = recorded
 
     def summary(self) -> dict[int, str]:
-        """k -> 'n; device median/p10/p90; host median/p10/p90' (ms)."""
+        """k -> 'n; device, host and lap median/p10/p90' (ms)."""
         def ms(v: np.ndarray) -> str:
             return "/".join(f"{float(np.percentile(v, q)) * 1e3:.3f}" for q in (50, 10, 90))
-        return {k: f"{len(v)}; device {ms(np.array(v)[:, 0])}; host {ms(np.array(v)[:, 1])}"
+        return {k: f"{len(v)}; device {ms(np.array(v)[:, 0])}; host {ms(np.array(v)[:, 1])}; lap {ms(np.array(v)[:, 2])}"
                 for k, v in sorted(self.samples.items())}
 
 
@@ -70,7 +70,7 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
     costs, greedy = engine.adaptive.costs, args.temperature == 0
     print(f"  cost row (ms) {np.round(costs.costs(c, greedy=greedy) * 1e3, 3).tolist()} = "
           f"{'max' if laps.overlapped else 'sum'}(host now {_line(costs, c)}, "
-          f"device {np.round(costs.device(c, greedy) * 1e3, 3).tolist()})")
+          f"device {np.round(costs.device(c, greedy) * 1e3, 3).tolist()} + gap {costs.gap() * 1e3:.3f})")
 
 
 def _line(costs: StepCosts, c: int) -> str:
