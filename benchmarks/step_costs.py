@@ -70,7 +70,7 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
     costs, greedy = engine.adaptive.costs, args.temperature == 0
     print(f"  cost row (ms) {np.round(costs.costs(c, greedy=greedy) * 1e3, 3).tolist()} = "
           f"{'max' if laps.overlapped else 'sum'}(host now {_line(costs, c)}, "
-          f"device {np.round(costs.device(c, greedy) * 1e3, 3).tolist()} + gap {costs.gap() * 1e3:.3f})")
+          f"device {np.round(costs.device(c, greedy) * 1e3, 3).tolist()} + gap {costs.gap(c) * 1e3:.3f})")
 
 
 def _line(costs: StepCosts, c: int) -> str:

@@ -143,8 +143,10 @@ class StepCosts:
     Overlapped, a step whose host waited for the device lasts longer than the device's share: its period
     also holds what the timing events leave out (the step's copy in and state scatter before the first
     event, the host's wake-up after the last). That gap is learned from such laps (lap - device, a
-    median over the recent ones) and added to the device's share: at T = 1, c = 8 on the H100 the laps
-    exceeded max(host, device) by 0.05-0.26 ms (10-24 %), about the same at every device-bound k.
+    median over the recent ones of the batch's bucket) and added to the device's share: at T = 1, c = 8
+    on the H100 the laps exceeded max(host, device) by 0.05-0.26 ms (10-24 %), about the same at every
+    device-bound k. One median for every bucket read 3.7 ms at c = 8 after a closed loop had drained
+    through small batches (step_costs.py, run 66), and priced every k at 4 ms there.
     """
 
     HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
@@ -158,8 +160,9 @@ class StepCosts:
         self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 2), np.nan)  # (host, tokens), any k
         self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
-        self.gap_recent = np.zeros(self.GAP_WINDOW)  # lap - device of device-bound overlapped laps, a ring
-        self.gap_samples = 0
+        # lap - device of device-bound overlapped laps, a ring per bucket
+        self.gap_recent = np.zeros((len(self.buckets), self.GAP_WINDOW))
+        self.gap_samples = np.zeros(len(self.buckets), dtype=np.int64)
         self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1))
 
     def bucket(self, batch: int) -> int:
@@ -176,13 +179,18 @@ class StepCosts:
         self.host_samples[b] += 1
         self.overlapped = overlapped
         if overlapped and lap - host > self.DEVICE_BOUND * lap > 0:
-            self.gap_recent[self.gap_samples % self.GAP_WINDOW] = max(lap - device, 0.0)
-            self.gap_samples += 1
+            self.gap_recent[b, self.gap_samples[b] % self.GAP_WINDOW] = max(lap - device, 0.0)
+            self.gap_samples[b] += 1
 
-    def gap(self) -> float:
-        """Seconds a device-bound overlapped step lasts beyond its device share (0 before any such lap)."""
-        n = min(self.gap_samples, self.GAP_WINDOW)
-        return float(np.median(self.gap_recent[:n])) if n else 0.0
+    def gap(self, batch: int) -> float:
+        """Seconds a device-bound overlapped step of this batch's bucket lasts beyond its device share: the
+        nearest bucket's where its own has no such lap (0 before any)."""
+        sampled = np.flatnonzero(self.gap_samples)
+        if sampled.size == 0:
+            return 0.0
+        b = self.bucket(batch)
+        b = int(sampled[np.argmin(np.abs(np.log(self.buckets[sampled] / self.buckets[b])))])
+        return float(np.median(self.gap_recent[b, : min(self.gap_samples[b], self.GAP_WINDOW)]))
 
     def seed(self, batch: int, k: int, seconds: float, greedy: bool = True) -> None:
         """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
@@ -196,7 +204,7 @@ class StepCosts:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
         (None: the host's share as it is now at every k; a unitless prior before any timing)."""
         device, host = self.device(batch, greedy), self.host(batch, tokens)
-        return np.maximum(host, device + self.gap()) if self.overlapped else host + device
+        return np.maximum(host, device + self.gap(batch)) if self.overlapped else host + device
 
     def device(self, batch: int, greedy: bool = True) -> np.ndarray:
         """[K + 1] device seconds of a step at each k (estimated where not measured). A mode that knows nothing

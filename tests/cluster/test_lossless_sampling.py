@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.workers import model_runner, uniform_step
+from mtpserve.workers import rejection
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.stats import ALPHA, chi_square_pvalue, samples_for_power
 
@@ -88,8 +88,8 @@ def test_first_two_tokens_keep_the_target_distribution(small_vocab_ckpt: Path, n
 
 def _biased_verify(p, target_argmax, draft_ids, q_ids, q_probs, num_drafts, greedy, u_accept, u_sample):
     """Resample from p after a rejection instead of from the residual: a subtly lossy verifier."""
-    tokens, accepted = model_runner.__dict__["_true_verify"](p, target_argmax, draft_ids, q_ids, q_probs,
-                                                             num_drafts, greedy, u_accept, u_sample)
+    tokens, accepted = rejection.__dict__["_true_verify"](p, target_argmax, draft_ids, q_ids, q_probs,
+                                                          num_drafts, greedy, u_accept, u_sample)
     rows = torch.arange(p.shape[0])
     rejected = accepted < num_drafts
     p_a = p[rows, accepted]
@@ -100,9 +100,9 @@ def _biased_verify(p, target_argmax, draft_ids, q_ids, q_probs, num_drafts, gree
 
 
 def test_the_check_rejects_a_biased_verifier(small_vocab_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(model_runner.__dict__, "_true_verify", model_runner.verify)
-    monkeypatch.setattr(model_runner, "verify", _biased_verify)  # the general path's verifier
-    monkeypatch.setattr(uniform_step, "verify", _biased_verify)  # the uniform step's
+    monkeypatch.setitem(rejection.__dict__, "_true_verify", rejection.verify)
+    # What both paths verify with on the CPU (verify_seeded draws the uniforms, then calls it).
+    monkeypatch.setattr(rejection, "verify", _biased_verify)
     s = SETTINGS["temperature"]
     counts, _ = _sampled_joint(small_vocab_ckpt, s, seed=1)
     assert chi_square_pvalue(counts, _exact_joint(small_vocab_ckpt, s)) < ALPHA
