@@ -42,6 +42,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="commit to record (default: git rev-parse HEAD; for copies of the tree without .git)")
 
 
+def add_timing_args(p: argparse.ArgumentParser, iters: int = 20) -> None:
+    """--iters timed calls after --warmup untimed ones (common.time_ms)."""
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--warmup", type=int, default=3)
+
+
 def tiny_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, **values: Any) -> None:
     """With --tiny, replace the defaults of these options, but never a value given on the command line."""
     if args.tiny:
