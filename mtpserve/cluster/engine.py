@@ -190,12 +190,11 @@ class LLMEngine:
     def _postprocess(self, plan: StepPlan, result: StepResult, stats: StepStats,
                      steady: bool = True) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        drafts = dict(zip(plan.req_ids, plan.num_drafts))
         logprobs = dict(zip(result.req_ids, result.logprobs or [None] * len(result.req_ids)))
         advanced = self.scheduler.update(plan, result)
         step_spec = SpecCounters()
-        step_spec.record([drafts[req.request_id] for req, _, _ in advanced], [a for _, _, a in advanced])
-        for req, tokens, _ in advanced:
+        step_spec.record([d for _, _, d, _ in advanced], [a for _, _, _, a in advanced])
+        for req, tokens, _, _ in advanced:
             out = self.outputs.process(req, tokens, logprobs[req.request_id])
             if req.finish_reason:
                 self.scheduler.finish(req, req.finish_reason)

@@ -180,9 +180,10 @@ class Scheduler:
         self.num_steps += 1
         return plan
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], int]]:
-        """Advance the scheduled requests; returns (request, newly kept tokens, accepted drafts) for those
-        that sampled. Requests that finished or were aborted since the plan was made are skipped."""
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], int, int]]:
+        """Advance the scheduled requests; returns (request, newly kept tokens, drafts verified, of them
+        accepted) for those that sampled. Requests that finished or were aborted since the plan was made are
+        skipped."""
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
             req = self.requests.get(req_id)
             if req is not None:
@@ -211,7 +212,7 @@ class Scheduler:
                 seen.append((req.spec_row, drafts[req_id], accepted))
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            advanced.append((req, tokens[:kept], accepted))
+            advanced.append((req, tokens[:kept], drafts[req_id], accepted))
             self._offer(req)
             if req.finish_reason:
                 self.finish(req, req.finish_reason)

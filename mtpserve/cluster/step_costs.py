@@ -188,8 +188,7 @@ class StepCosts:
         sampled = np.flatnonzero(self.gap_samples)
         if sampled.size == 0:
             return 0.0
-        b = self.bucket(batch)
-        b = int(sampled[np.argmin(np.abs(np.log(self.buckets[sampled] / self.buckets[b])))])
+        b = self._nearest(sampled, self.bucket(batch))
         return float(np.median(self.gap_recent[b, : min(self.gap_samples[b], self.GAP_WINDOW)]))
 
     def seed(self, batch: int, k: int, seconds: float, greedy: bool = True) -> None:
@@ -214,6 +213,10 @@ class StepCosts:
             table = self.modes[not greedy]
         return table.row(self.bucket(batch))
 
+    def _nearest(self, candidates: np.ndarray, b: int) -> int:
+        """The bucket among `candidates` (indices) closest to bucket b in batch size (by ratio)."""
+        return int(candidates[np.argmin(np.abs(np.log(self.buckets[candidates] / self.buckets[b])))])
+
     def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
         """The host's share of a step in this batch's bucket now, for steps emitting `tokens`: on the line
         through its recent samples where their tokens vary enough to draw one, else their lower median."""
@@ -234,7 +237,7 @@ class StepCosts:
             sampled = np.flatnonzero(self.host_samples)
             if sampled.size == 0:
                 return 0.0, 0.0, 0.0
-            near = int(sampled[np.argmin(np.abs(np.log(self.buckets[sampled] / self.buckets[b])))])
+            near = self._nearest(sampled, b)
             a, slope, median = self.host_line(int(self.buckets[near]))
             scale = self.buckets[b] / self.buckets[near]
             return a * scale, slope, median * scale

@@ -101,9 +101,14 @@ def window_rows(state: DeviceState, group: int, slots: torch.Tensor, first_pos: 
         from mtpserve.kernels.window_metadata import window_metadata as build
     pos, slot_mapping, seq_lens, qsl = build(state.tables[group], state.capacity[group], slots, first_pos, limit, q,
                                              state.block_size)
-    # max_seq_len only sizes the CPU reference's gather; the Triton kernel reads seq_lens on the device.
-    max_seq_len = int(seq_lens.max()) if not slots.is_cuda else state.max_blocks * state.block_size
-    return AttentionMetadata(qsl, seq_lens, state.tables[group, slots], slot_mapping, q, max_seq_len), pos
+    return AttentionMetadata(qsl, seq_lens, state.tables[group, slots], slot_mapping, q,
+                             _max_seq_len(state, seq_lens)), pos
+
+
+def _max_seq_len(state: DeviceState, seq_lens: torch.Tensor) -> int:
+    """A bound on seq_lens: it only sizes the CPU reference's gather (a host read there); on CUDA the kernels
+    read the lengths on the device, and the table's capacity bounds them without a sync."""
+    return int(seq_lens.max()) if not seq_lens.is_cuda else state.max_blocks * state.block_size
 
 
 def chain_rows(state: DeviceState, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor,
@@ -120,9 +125,8 @@ def chain_rows(state: DeviceState, slots: torch.Tensor, seq_len: torch.Tensor, a
 def pass_rows(state: DeviceState, lay: ChainLayout, p: int) -> tuple[AttentionMetadata, torch.Tensor]:
     """Module pass p's attention metadata and positions [B * q] out of the chain's layout (window_rows' form)."""
     span, q = lay.span(p), lay.window + p
-    max_seq_len = int(lay.seq_lens[p].max()) if not lay.seq_lens.is_cuda else state.max_blocks * state.block_size
     meta = AttentionMetadata(lay.query_start_loc[p], lay.seq_lens[p], lay.block_tables[p], lay.slot_mapping[span],
-                             q, max_seq_len)
+                             q, _max_seq_len(state, lay.seq_lens[p]))
     return meta, lay.positions[span]
 
 

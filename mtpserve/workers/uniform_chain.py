@@ -56,6 +56,7 @@ class UniformChain:
         sampler = DraftSampler(self, slots, frontier, samp, shape.flags)
         old_carry = self.buffers.carry[slots]  # [B, modules, H]
         recursive = any(step.offset for step in steps)
+        spec = self.state.num_spec[slots] if recursive else None  # [B]: each request's chain length
         drafts, proposals, carry, prev, last = [], [], [], target_rows, None
         for j, step in enumerate(steps):
             m = step.module
@@ -69,7 +70,7 @@ class UniformChain:
                 g, kept, last = _read_back(g, prev, lay.rows[m], recursive)
                 carry.append(kept)
             else:
-                reach = (self.state.num_spec[slots] > j).long()  # rows past a request's own chain write nothing
+                reach = (spec > j).long()  # rows past a request's own chain write nothing
                 meta, pos = window_rows(self.state, 1 + m, slots, frontier - 2 + step.offset, 1, reach)
                 g = self.mtp(m, drafts[j - 1], last, pos, meta, self.kv[m], self.embed)
                 last = self.mtp.next_hidden(m, g)
