@@ -294,8 +294,7 @@ class ModelRunner:
         slots = to_device([r.slot for r in f_reqs], torch.long, dev)
         draft_ids = self.slots.draft_tokens[slots, :k]
         logits = self._penalised(raw, st, slots, draft_ids, k) if st.use_penalties else raw
-        st_rows = st.take(torch.arange(len(f_reqs), device=dev).repeat_interleave(k + 1))
-        probs = to_probs(logits, st_rows).view(len(f_reqs), k + 1, -1)
+        probs = to_probs(logits.view(len(f_reqs), k + 1, -1), st)  # per-request settings over each window
         frontier = to_device([len(r.token_ids) for r in f_reqs], torch.long, dev)
         tokens, accepted = verify_seeded(
             probs, logits.argmax(-1).view(len(f_reqs), k + 1), draft_ids, self.slots.q_ids[slots, :k],
