@@ -60,3 +60,6 @@ class StepResult:
     # The uniform step's own time on the device (CUDA events from its first copy to its result's copy;
     # 0: not timed there), the device share of adaptive speculation's step costs (design §9).
     device_seconds: float = 0.0
+    # Of the executor's wait for this result, the seconds the host sat blocked on the device (0: not timed):
+    # the rest of the wait (reading the packed rows back into lists) is host work like any other.
+    blocked_seconds: float = 0.0

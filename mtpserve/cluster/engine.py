@@ -216,7 +216,9 @@ class LLMEngine:
         Only decode steps at the same k as the one before count: a step with prompt chunks (or a catch-up
         after k rose) costs more than its k alone, and must not pollute the decode table. The lap is split
         into the device's share and the host's: overlapped on a device that timed the step, the host's is
-        the lap less its wait for the result; run serially, the device's is the time inside the executor."""
+        the lap less the time it sat blocked on the device (the rest of the executor's wait reads the result
+        back, host work that grows with the batch: counted as waiting, it made host-bound laps at c = 256
+        look device-bound); run serially, the device's is the time inside the executor."""
         k = max(plan.num_spec, default=0)
         seconds = self._step_clock.lap((k, stats.num_prompt_tokens == 0 and not plan.new_requests))
         (inside, waited), self._executor_seconds = self._executor_seconds, [0.0, 0.0]
@@ -231,7 +233,7 @@ class LLMEngine:
         if seconds is not None and steady and max(plan.num_drafts, default=0) == k:
             overlapped = self._async and result.device_seconds > 0
             device = result.device_seconds if overlapped else inside + waited
-            host = seconds - (waited if overlapped else inside + waited)
+            host = seconds - (result.blocked_seconds if overlapped else inside + waited)
             tokens = sum(result.num_accepted) + len(result.num_accepted)
             # The batch's sampling mode as the chooser last saw it: the plan's own, except in the one step after
             # the running set changed mode (its sample lands in the other table, where the median ignores it).

@@ -234,9 +234,11 @@ class ModelRunner:
 
     def _finish_uniform(self, p: "PendingStep") -> StepResult:
         """Read a uniform step's result (the step's one wait for the device) and advance the host state."""
-        device_seconds, modules = 0.0, self.config.num_mtp_modules
+        device_seconds, blocked, modules = 0.0, 0.0, self.config.num_mtp_modules
         if p.done is not None:
+            t0 = time.perf_counter()
             p.done.synchronize()
+            blocked = time.perf_counter() - t0
             # From the GPU reaching this step's forward (the step before it done, or its launch) to its result
             # copied.
             device_seconds = p.begun.elapsed_time(p.done) / 1e3
@@ -249,7 +251,7 @@ class ModelRunner:
             # module counted short is only caught up from a little further back.
             used = min(r.num_spec, modules)
             r.mtp_computed[:used] = range(n, n - used, -1)
-        result.device_seconds = device_seconds
+        result.device_seconds, result.blocked_seconds = device_seconds, blocked
         result.target_seconds = time.perf_counter() - p.started  # one graph: no phase split
         return result
 
@@ -372,7 +374,7 @@ def _subset(reqs: list[CachedRequest], plan: StepPlan, mask: list[bool], keep: b
 def _merged(a: StepResult, b: StepResult) -> StepResult:
     return StepResult(a.req_ids + b.req_ids, a.token_ids + b.token_ids, a.num_accepted + b.num_accepted,
                       a.logprobs + b.logprobs, a.target_seconds + b.target_seconds, a.draft_seconds + b.draft_seconds,
-                      a.device_seconds + b.device_seconds)
+                      a.device_seconds + b.device_seconds, a.blocked_seconds + b.blocked_seconds)
 
 
 @dataclass

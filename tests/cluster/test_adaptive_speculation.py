@@ -272,6 +272,33 @@ def test_a_lap_splits_into_the_runners_share_and_the_hosts(partly_trained: Path,
     assert all(greedy for _, _, greedy in emitted)  # a greedy batch's steps feed the greedy table
 
 
+def test_reading_the_result_back_is_the_hosts_share_not_the_devices(partly_trained: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlapped on a GPU, the executor's wait both blocks on the device and reads the packed rows back into
+    lists for every request; only the blocking is the device's. Counted whole, the read-back (host work that
+    grows with the batch) made the host-bound laps of c = 256 on the H100 look device-bound, and the gap
+    learned from them priced every k at 7 ms. Here a launch moves the clock by one unit and a wait by 0.6,
+    of which the result says 0.1 were spent blocked (a CUDA runner's events also timed 0.3 of device work)."""
+    observe = StepCosts.observe  # before _timed_by_launches wraps it for serial steps
+    llm, _, clock = _timed_by_launches(partly_trained, monkeypatch, lambda plan, n: 1.0)
+    executor, shares = llm.engine.executor, []
+    wait = executor.wait
+
+    def timed_wait(handle):
+        result = wait(handle)
+        clock.now += 0.6
+        result.device_seconds, result.blocked_seconds = 0.3, 0.1
+        return result
+
+    monkeypatch.setattr(executor, "wait", timed_wait)
+    monkeypatch.setattr(StepCosts, "observe", lambda self, batch, k, device, host, overlapped, tokens, greedy, lap: (
+        shares.append((device, round(host, 9), overlapped, round(lap, 9))),
+        observe(self, batch, k, device, host, overlapped, tokens, greedy, lap)))
+    llm.generate(prompts_of(64, [5, 9, 14, 20, 3], seed=11), GREEDY)
+    assert len(shares) > 10 and set(shares) == {(0.3, 1.5, True, 1.6)}, sorted(set(shares))
+    assert llm.engine.adaptive.costs.gap(5) == 0.0  # blocked 0.1 of a 1.6 lap: host-bound, no gap learned
+
+
 def test_a_sampled_batch_feeds_the_sampled_step_costs(partly_trained: Path) -> None:
     """A sampled step costs the device more than a greedy one at the same k (design §9): the engine files
     each timed step under its batch's sampling mode, and the chooser reads that mode's table."""
