@@ -183,9 +183,16 @@ def test_a_block_is_offered_only_when_committed_and_its_lookahead_is_verified() 
     blocks.offer_committed("a", tokens, 7, hashes, (0, 1, 2))  # target committed 7 positions: block 0 only
     assert [len(h) for h in hashes] == [1, 1, 1]
     blocks.offer_committed("a", tokens, 9, hashes, (0, 1, 2))
-    # Target: 2 full blocks. Module 0 needs t_8 for block 1 (have it), module 1 needs t_9 (not verified yet).
-    assert [len(h) for h in hashes] == [2, 2, 1]
-    assert [pool.num_cached for pool in blocks.pools] == [2, 2, 1]
+    # Target: 2 full blocks. Module 0 needs t_8 for block 1 (have it), module 1 needs t_9 (not verified yet):
+    # every group's block 1 is offered in one call, once module 1's can be.
+    assert [len(h) for h in hashes] == [1, 1, 1]
+    assert not blocks.offer_due("a", 9) and blocks.offer_due("a", 10)
+    blocks.offer_committed("a", tokens + [19, 20], 10, hashes, (0, 1, 2))
+    assert [len(h) for h in hashes] == [2, 2, 2]
+    assert [pool.num_cached for pool in blocks.pools] == [2, 2, 2]
+    other: list[bytes] = [hashes[2][0]]
+    extend_hashes(other, tokens + [77], BLOCK, 2, 2)
+    assert other[1] != hashes[2][1], "module 1's block 1 covers t_9"
     shifted: list[bytes] = []
     extend_hashes(shifted, [99] + tokens[1:], BLOCK, 1, 2)
     assert shifted[0] != hashes[1][0], "module 0's first block covers t_0 as well"
