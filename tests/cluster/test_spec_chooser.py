@@ -338,6 +338,11 @@ def test_the_hosts_share_grows_with_the_tokens_a_step_emits() -> None:
         flat.observe(256, 3, 1e-4, host=2e-3 * rng.uniform(0.9, 1.1), overlapped=True, tokens=800 + rng.integers(0, 5))
     row = flat.costs(256, np.array([256.0, 470, 640, 800, 930]))
     assert np.ptp(row) == 0 and row[0] == flat.host_line(256)[2]
+    # A window of one k alone (auto dwelling on its choice) keeps the slope its bucket drew before.
+    for _ in range(2 * StepCosts.HOST_WINDOW):
+        costs.observe(8, 2, 1e-4, host=0.5e-3 + 0.02e-3 * 21, overlapped=True, tokens=21)
+    assert costs.host_line(8)[1] == pytest.approx(0.02e-3)
+    np.testing.assert_allclose(costs.host(8, np.array([8.0, 31])), 0.5e-3 + 0.02e-3 * np.array([8.0, 31]))
 
 
 def _drifting_host(p: float, seed: int, split: bool) -> float:
