@@ -9,8 +9,9 @@ kept apart because they behave differently:
   seeded at start-up by timing the captured graphs, and estimated where neither exists.
 * H moves with the host (on the H100's host one op's time moved 2x inside one run) and grows with the
   tokens a step emits (postprocessing is per token: at c = 8 on the H100, 0.73 ms at k = 0 and 1.25 ms
-  at k = 4). Per bucket, a line H = a + b * tokens through its last HOST_WINDOW samples at any k, so
-  every k is priced with the host as it is now and the tokens that k would emit. Comparing whole-lap
+  at k = 4). Per bucket, a line H / batch = a + b * tokens / batch through its last HOST_WINDOW samples
+  at any k (per request: a draining batch moves host and tokens together), so every k is priced with
+  the host as it is now and the tokens that k would emit. Comparing whole-lap
   medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1 where the steps
   were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
@@ -179,7 +180,7 @@ class StepCosts:
         `overlapped`: the two ran side by side; `greedy`: every request of the batch was greedy."""
         b = self.bucket(batch)
         self.modes[greedy].observe(b, k, device)
-        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host, tokens
+        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host / max(batch, 1), tokens / max(batch, 1)
         self.host_samples[b] += 1
         self.overlapped = overlapped
         if overlapped and lap - host > self.DEVICE_BOUND * lap > 0:
@@ -230,22 +231,22 @@ class StepCosts:
         return np.maximum(a + slope * np.asarray(tokens, dtype=np.float64), 0.0)
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
-        """(a, b, median) of the bucket's recent host samples: seconds = a + b * tokens, and their lower
-        median. A bucket without samples (one a batch passes through while it ramps up) borrows the
-        nearest sampled bucket's, its per-step part scaled by the batch sizes: the host's share grows
-        with the requests it handles, and a row of device time alone would price drafts as if the host
-        were free. Zeros before any sample."""
+        """(a, b, median) of the host's share of a step of `batch` requests: seconds = a + b * tokens, and the
+        lower median of the bucket's recent samples, scaled to this batch. The line is drawn per request
+        (host / batch against tokens / batch): within one bucket a draining batch moves both together,
+        and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256 (run 69),
+        pricing k = 0 best. A bucket without samples (one a batch passes through while it ramps up)
+        borrows the nearest sampled bucket's line, scaled to its own batch the same way: the host's share
+        grows with the requests it handles, and a row of device time alone would price drafts as if the
+        host were free. Zeros before any sample."""
         b = self.bucket(batch)
-        n = min(self.host_samples[b], self.HOST_WINDOW)
-        if n == 0:
+        if self.host_samples[b] == 0:
             sampled = np.flatnonzero(self.host_samples)
             if sampled.size == 0:
                 return 0.0, 0.0, 0.0
-            near = self._nearest(sampled, b)
-            a, slope, median = self.host_line(int(self.buckets[near]))
-            scale = self.buckets[b] / self.buckets[near]
-            return a * scale, slope, median * scale
-        seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]
+            b = self._nearest(sampled, b)
+        n = min(self.host_samples[b], self.HOST_WINDOW)
+        seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]  # per request
         last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
         now = np.sort(seconds[last])
         median = float(now[(len(now) - 1) // 2])
@@ -257,7 +258,7 @@ class StepCosts:
         else:
             self.host_slopes[b] = slope
         level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
-        return float(level), slope, median
+        return float(level) * batch, slope, median * batch
 
 
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:

@@ -446,6 +446,20 @@ def test_the_dwell_grows_until_choices_cost_a_small_share_of_the_steps() -> None
     assert spec.dwell == 64
 
 
+def test_a_draining_batch_draws_no_host_slope() -> None:
+    """A closed loop drains: one bucket sees batches from 256 down to 129 at one k, and its host's share falls
+    with the batch while the tokens do too. A line through the raw (host, tokens) pairs read that as the cost
+    of a token from a negative intercept (run 69, c = 256: -1.8 ms + 0.014 ms a token), which priced k = 0
+    cheapest per token. Per request the tokens hardly vary: no slope is drawn, the host's share is flat."""
+    costs, rng = StepCosts(K, 256), np.random.default_rng(3)
+    for batch in np.linspace(256, 129, 48).astype(int):
+        tokens = batch * rng.uniform(2.25, 2.35)
+        costs.observe(int(batch), 4, 1e-3, host=0.3e-3 + 15e-6 * batch + 2e-6 * tokens, overlapped=True, tokens=tokens)
+    a, slope, median = costs.host_line(256)
+    assert slope == 0.0 and a == median > 0
+    assert costs.host(256, np.array([256.0, 589.0])).tolist() == [median, median]
+
+
 def test_a_bucket_without_host_samples_borrows_the_nearest_ones_scaled_by_batch() -> None:
     costs = StepCosts(K, 256)
     for _ in range(16):
