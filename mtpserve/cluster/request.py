@@ -52,6 +52,8 @@ class Request:
         # Built once: append_verified runs per request per step, on the engine's hot path.
         self._stops = frozenset(self.params.stop_token_ids) | frozenset(
             () if self.params.ignore_eos else self.eos_token_ids)
+        # The length token_ids may reach: max_tokens outputs, within the context (asked twice per request per step).
+        self._length_limit = min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -64,7 +66,7 @@ class Request:
     @property
     def tokens_left(self) -> int:
         """How many more tokens this request may still produce."""
-        return min(self.params.max_tokens - self.num_output_tokens, self.max_model_len - len(self.token_ids))
+        return self._length_limit - len(self.token_ids)
 
     def append_verified(self, tokens: list[int]) -> int:
         """Append sampled tokens up to the first stop condition; returns how many were kept."""
