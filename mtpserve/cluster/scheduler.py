@@ -226,7 +226,9 @@ class Scheduler:
         if self.adaptive is not None:
             if self._rows is None:  # gathered again only when the running set changed
                 self._rows = np.fromiter((r.spec_row for r in self.running), dtype=np.int64, count=len(self.running))
-            self.step_k = self.adaptive.choose(self._rows)
+            # Priced at the batch the decode will run at: the running requests and the waiting ones that join.
+            batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            self.step_k = self.adaptive.choose(self._rows, batch)
 
     def _spec(self, req: Request) -> int:
         """Drafts the request's chain makes this step: for an adaptive request the step's k (at most its

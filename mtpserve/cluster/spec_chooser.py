@@ -204,7 +204,8 @@ class AdaptiveSpec:
         # The rows of the last call, their bucket and whether any is adaptive (numpy calls cost ~3 us each on
         # the H100's host: per step only when the running set changed).
         self._rows: np.ndarray | None = None
-        self._rows_bucket, self._rows_active = -1, False
+        self._rows_active = False
+        self._batch, self._rows_bucket = -1, -1  # the batch size priced, and its bucket
 
     def admit(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k; greedy: it
@@ -214,12 +215,20 @@ class AdaptiveSpec:
     def release(self, row: int) -> None:
         self.acceptance.release(row)
 
-    def choose(self, rows: np.ndarray) -> int:
-        """The step's k for the requests in `rows` (each adaptive one then runs min(k, its cap))."""
+    def choose(self, rows: np.ndarray, batch: int | None = None) -> int:
+        """The step's k for the requests in `rows` (each adaptive one then runs min(k, its cap)), priced at the
+        batch size the decode steps will run at (`batch`, at least rows.size: the running requests and the
+        waiting ones that will join them). While a closed loop ramps up, a few dozen requests join per step;
+        chosen for the few that ran, k dipped to 1 or 2, the joining requests prefilled with part of their
+        chains, and every one of them was caught up when k rose again (196 catch-ups a cell at c = 256, T = 1,
+        run 72 on the H100)."""
         t = self.acceptance
         self._held += 1
+        batch = rows.size if batch is None else max(batch, rows.size)
+        if batch != self._batch:
+            self._batch, self._rows_bucket = batch, self.costs.bucket(batch)
         if rows is not self._rows:  # the scheduler passes the same array until its running set changes
-            self._rows, self._rows_bucket = rows, self.costs.bucket(rows.size)
+            self._rows = rows
             self._rows_active = rows.size > 0 and bool(t.adaptive.take(rows).any())
             greedy = bool(t.greedy.take(rows).all())
             if greedy != self.greedy:
@@ -238,9 +247,9 @@ class AdaptiveSpec:
             self._bucket = bucket
             t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)
-            tokens = base + np.concatenate(([0.0], np.cumsum(gains)))  # per k
-            costs = self.costs.costs(rows.size, tokens, self.greedy)
-            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
+            tokens = base + np.concatenate(([0.0], np.cumsum(gains)))  # per k, of the running rows
+            costs = self.costs.costs(batch, tokens * (batch / rows.size), self.greedy)  # as many per request
+            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), batch)
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0

@@ -488,6 +488,23 @@ def test_a_choice_made_while_the_batch_ramps_up_holds_only_for_its_bucket() -> N
     assert spec.choose(rows) == K  # ... and the next 256 requests, chosen for at once: their prefill runs K
 
 
+def test_a_ramping_batch_is_chosen_for_the_batch_it_will_reach() -> None:
+    """32 requests run and 224 wait to join: the k chosen now is the k their prefills run with, so it is priced
+    at 256 rows, where drafts are nearly free, not at 32, where they cost more than they earn (chosen for the
+    32, the joining requests prefilled without their chains and were all caught up a few steps later)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=256))
+    for k in range(K + 1):
+        spec.costs.seed(32, k, 1e-3 * (1 + 3 * k))
+        spec.costs.seed(256, k, 1e-3 * (1 + 0.05 * k))
+    rows = np.array([spec.admit(K, True) for _ in range(32)])
+    spec.acceptance.set(rows, np.full((K, 32), 0.8))
+    assert spec.choose(rows) == 0
+    spec.dwell = 0  # the next call chooses again
+    assert spec.choose(rows, batch=256) == K
+    spec.dwell = 0
+    assert spec.choose(rows, batch=8) == 0  # never below the rows running
+
+
 def test_sampled_batches_have_their_own_device_costs() -> None:
     """A sampled step's graph runs the rejection sampler and the sampled drafts (2-3x the greedy graph at
     T = 1 on the H100): its seeds and samples do not move the greedy table, nor the other way round."""
