@@ -234,6 +234,8 @@ class AdaptiveSpec:
             if greedy != self.greedy:
                 self.greedy, self._held = greedy, self.dwell  # another mode, other costs: choose again now
         self.active, bucket = self._rows_active, self._rows_bucket
+        if rows.size == 0 and batch > 0:  # only newcomers: their prefills run the k chosen now
+            return self._choose_for_newcomers(batch)
         if not self.active:
             return self.k
         # The dwell holds a choice for its batch only: one made while the batch ramps up (requests admitted a
@@ -254,6 +256,20 @@ class AdaptiveSpec:
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0
             self.dwell = self._dwell(time.perf_counter() - t0, float(costs[k]))
+        self.chosen[self.k] += 1
+        return self.k
+
+    def _choose_for_newcomers(self, batch: int) -> int:
+        """The k for a batch of `batch` requests that are all waiting to start (a burst after an idle spell),
+        each taken as adaptive with the engine-wide prior as its acceptance. The k left over from the last
+        batch (a drained one of one or two requests) had been their prefills' k: on the H100 at T = 1 and
+        c = 256 the first wave of each closed loop prefilled at k = 2 or 3 and 196 requests were caught up
+        when k rose to 4 (run 73). Held for the next min_dwell steps, by then chosen for its own rows."""
+        self._bucket = self._rows_bucket
+        reach = np.cumprod(self.acceptance.prior[: self.config.max_k])
+        gains, costs = batch * reach, self.costs.costs(batch, batch * (1.0 + np.r_[0.0, np.cumsum(reach)]), self.greedy)
+        self.k = choose_k(gains, float(batch), 0, costs, self.k, self.config.hysteresis)
+        self._held, self.dwell = 0, self.config.min_dwell
         self.chosen[self.k] += 1
         return self.k
 

@@ -505,6 +505,21 @@ def test_a_ramping_batch_is_chosen_for_the_batch_it_will_reach() -> None:
     assert spec.choose(rows, batch=8) == 0  # never below the rows running
 
 
+def test_a_burst_after_an_idle_spell_is_chosen_for_before_its_prefills() -> None:
+    """Nothing runs and 256 requests wait: the k their prefills run is chosen for them now (from the engine's
+    prior acceptance and the costs at 256 rows), not left over from the drained batch before (k = 0 there)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=256))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 3 * k))  # one request at a time: drafts cost more than they earn
+        spec.costs.seed(256, k, 1e-3 * (1 + 0.05 * k))
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.8))
+    assert spec.choose(row) == 0
+    spec.release(int(row[0]))
+    assert spec.choose(np.array([], dtype=np.int64), batch=256) == K
+    assert spec.choose(np.array([], dtype=np.int64)) == K  # nothing waits either: the last choice stays
+
+
 def test_sampled_batches_have_their_own_device_costs() -> None:
     """A sampled step's graph runs the rejection sampler and the sampled drafts (2-3x the greedy graph at
     T = 1 on the H100): its seeds and samples do not move the greedy table, nor the other way round."""
