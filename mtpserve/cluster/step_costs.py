@@ -257,6 +257,8 @@ class StepCosts:
             slope = float(self.host_slopes[b])
         else:
             self.host_slopes[b] = slope
+        # Nor may a slope kept from before make the host's share now negative at the fewest tokens.
+        slope = min(slope, float(np.min(seconds[last] / np.maximum(emitted[last], 1e-9))))
         level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
         return float(level) * batch, slope, median * batch
 
@@ -264,12 +266,15 @@ class StepCosts:
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:
     """b of host seconds = a + b * tokens by least squares, leaving out stretched samples (over twice the
     median: a GC pause, the OS); None where tokens hardly vary (one k at a large batch: the slope would be
-    noise), 0 where the fit slopes down."""
+    noise) or the line would cross zero before zero tokens (the host sped up or slowed down between the k's
+    in the window: at T = 1, c = 256 on the H100 such a line read -2.4 ms + 0.026 ms a token and held auto
+    at k = 0 for a whole round, run 74), 0 where the fit slopes down."""
     keep = seconds <= 2.0 * median
     x, y = tokens[keep], seconds[keep]
     if x.size < 8 or x.std() < 0.05 * max(x.mean(), 1e-9):
         return None
-    return max(float(np.cov(x, y, bias=True)[0, 1] / x.var()), 0.0)
+    slope = max(float(np.cov(x, y, bias=True)[0, 1] / x.var()), 0.0)
+    return None if y.mean() - slope * x.mean() < 0 else slope
 
 
 def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

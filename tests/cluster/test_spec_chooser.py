@@ -460,6 +460,21 @@ def test_a_draining_batch_draws_no_host_slope() -> None:
     assert costs.host(256, np.array([256.0, 589.0])).tolist() == [median, median]
 
 
+def test_a_host_that_drifted_between_two_ks_draws_no_slope() -> None:
+    """32 steps at k = 4 on a slow host (4 ms at 256 rows, 590 tokens) then 32 at k = 0 on a fast one (1.5 ms,
+    256 tokens): the line through them crosses zero above zero tokens (the host's speed, not its tokens,
+    moved), and priced k = 0 cheapest per token; auto then stayed there for a whole round (run 74)."""
+    costs = StepCosts(K, 256)
+    for k, host, tokens in ((4, 4e-3, 590.0), (0, 1.5e-3, 256.0)):
+        for _ in range(32):
+            costs.observe(256, k, 1e-3, host=host, overlapped=True, tokens=tokens)
+    a, slope, _ = costs.host_line(256)
+    assert slope == 0.0 and a == pytest.approx(1.5e-3)
+    costs.host_slopes[costs.bucket(256)] = 1e-5  # a steep slope kept from before: capped at host / tokens now
+    a, slope, _ = costs.host_line(256)
+    assert a >= 0.0 and slope == pytest.approx(1.5e-3 / 256)
+
+
 def test_a_bucket_without_host_samples_borrows_the_nearest_ones_scaled_by_batch() -> None:
     costs = StepCosts(K, 256)
     for _ in range(16):
