@@ -139,8 +139,9 @@ class Scheduler:
         Only when that step was a decode step of every running request and no waiting request is due to
         join (SchedulerConfig.prefill_hold_steps): each request then verifies its new drafts, which are
         already on the device. Its accepted count is not known yet, so blocks are allocated for the worst
-        case (every draft in flight accepted), and a request that might finish in flight sits this step
-        out; in the plan after it, its state is the host's, as in a synchronous step. Requests that finished
+        case (every draft in flight accepted), and a request that might finish in flight, or whose drafts
+        max_tokens might cut depending on it, sits this step out; in the plan after it, its state is the
+        host's, as in a synchronous step. Requests that finished
         since carry on in the step in flight (their tokens are dropped) and are freed by this plan: the
         workers run steps in order, so nothing reuses their slots or blocks before that step is done.
         None: the engine drains first.
@@ -164,8 +165,12 @@ class Scheduler:
                 ahead, made = drafts + 1, made_in_flight.get(req.request_id, req.num_spec)  # tokens it may emit
                 if spec > made:  # k rises: the workers find lagging modules from their host state, which the
                     return None  # step in flight has yet to advance, so the engine drains first
-            left = req.tokens_left - ahead
-            if left < 1 or budget < 1:
+            left = req.tokens_left - ahead  # at the worst: every draft in flight accepted
+            # Near max_tokens a step verifies at most tokens_left - 1 drafts, which the count in flight decides:
+            # the request sits this step out rather than verify fewer drafts than a synchronous step would,
+            # since a seeded sample depends on how many drafts each step verifies (CUDA's overlapped steps
+            # gave other seeded outputs than the CPU's synchronous ones).
+            if (ahead and left - 1 < min(made, spec)) or left < 1 or budget < 1:
                 continue
             d = max(0, min(made, spec, budget - 1, left - 1))
             wanted.append((req, ahead, d, spec))

@@ -89,13 +89,13 @@ def test_greedy_outputs_with_cache_equal_outputs_without(partly_trained: Path) -
     assert {r: o.token_ids for r, o in overlapped.items()} == {r: o.token_ids for r, o in off.items()}
 
 
-def test_seeded_outputs_with_cache_equal_outputs_without(partly_trained: Path) -> None:
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async"])
+def test_seeded_outputs_with_cache_equal_outputs_without(partly_trained: Path, overlapped: bool) -> None:
     """One request at a time (a seeded sample depends on how many drafts each step verifies, so the
-    schedule must not depend on the batch), each prefilled in chunks of 9 tokens. Synchronous steps on every
-    device: an overlapped plan sizes a request near max_tokens for every draft in flight accepted, so its last
-    steps may verify fewer drafts than this test's count of unverified steps allows (CUDA's default)."""
+    schedule must not depend on the batch), each prefilled in chunks of 9 tokens. With overlapped steps (the
+    default on CUDA) too: a request near max_tokens verifies as many drafts as in a synchronous step."""
     engine_args = dict(num_speculative_tokens=3, block_size=BLOCK, max_num_batched_tokens=9, num_kv_blocks=64,
-                       async_scheduling=False)
+                       async_scheduling=overlapped)
     base, *others = [request for wave in _waves(6, sampled=True) for request in wave]
     waves = [[base]] + [[request] for request in others[4:13] + others[-2:]]  # prefixes 5..13 (every residue), 29, 30
     off, _, _ = _run(partly_trained, waves, enable_prefix_caching=False, **engine_args)
@@ -109,16 +109,15 @@ def test_seeded_outputs_with_cache_equal_outputs_without(partly_trained: Path) -
             assert unverified_steps in (0, 1), req_id  # only the last token may come without drafts
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", ["depth", "recursive"])
-def test_replay_holds_with_cache_hits(partly_trained: Path, mode: str) -> None:
-    """The accepted counts with cache hits equal a teacher-forced replay of the synchronous schedule (pinned:
-    overlapped steps plan a request's last tokens for the worst case, see the test above)."""
+def test_replay_holds_with_cache_hits(partly_trained: Path, mode: str, overlapped: bool) -> None:
     base, others = _shared_prefix_prompts(7)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     chosen = others[7:13] + others[-2:]  # prefixes 8..13 (around a boundary), 29 and the full base
     done, _, hits = _run(partly_trained, [[(base, greedy)], [(p, greedy) for p in chosen]],
                          num_speculative_tokens=3, block_size=BLOCK, num_kv_blocks=128, mtp_chain=mode,
-                         async_scheduling=False)
+                         async_scheduling=overlapped)
     assert all(h > 0 for h in hits), hits
     ref = Reference(partly_trained)
     for i, prompt in enumerate([base] + chosen):
