@@ -141,9 +141,9 @@ class Scheduler:
         already on the device. Its accepted count is not known yet, so blocks are allocated for the worst
         case (every draft in flight accepted), and a request that might finish in flight, or whose drafts
         max_tokens might cut depending on it, sits this step out; in the plan after it, its state is the
-        host's, as in a synchronous step. Requests that finished
-        since carry on in the step in flight (their tokens are dropped) and are freed by this plan: the
-        workers run steps in order, so nothing reuses their slots or blocks before that step is done.
+        host's, as in a synchronous step. Requests that finished since carry on in the step in flight (their
+        tokens are dropped) and are freed by this plan: the workers run steps in order, so nothing reuses
+        their slots or blocks before that step is done.
         None: the engine drains first.
         """
         if self._admitting():
