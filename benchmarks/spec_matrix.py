@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}",
                       ["MTP", "conc", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "AL",
                        *[f"acc@{j + 1}" for j in range(max_k)], "speedup", "vs best"])
-        summary = []
+        summary, paired = [], []
         for c in concurrency:
             runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
             for r in range(args.repeats):  # each round starts at another k: no k always runs first
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                           run.tokens_per_s / base if base else None, run.tokens_per_s / best if best else None)
             if AUTO in rows and best:
                 summary.append(f"c={c}: {rows[AUTO][0].tokens_per_s / best:.3f}")
+                paired.append(f"c={c}: {_paired_ratio(runs, fixed):.3f}")
         close()
 
     model = f"the server's {name}" if server else args.model or (
@@ -170,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in rotated order each round")
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
+    if paired and args.repeats > 1:
+        notes.append("auto / best fixed k round by round (the best k by its median, then the median over rounds of "
+                     "auto's run / that k's run of the same round, run back to back): "
+                     + ", ".join(paired))
     common.report(args, "spec_matrix", device, [table], notes)
     return 0
 
@@ -187,6 +193,14 @@ def _prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] |
     check(vocab is not None, "--workload random needs the vocabulary size (not available over --http)")
     rng = random.Random(args.seed)
     return [[rng.randrange(vocab) for _ in range(args.random_prompt_len)] for _ in range(n)]
+
+
+def _paired_ratio(runs: dict[int | str, list[workloads.Run]], fixed: list[int]) -> float:
+    """The median over rounds of auto's tok/s over the best fixed k's in the same round (the best k by median).
+    The host's speed moves 2x between rounds on the H100 machine (session J, run 77), and a ratio of medians
+    taken over different rounds carries that; cells of one round run back to back."""
+    best = max(fixed, key=lambda k: _median_run(runs[k]).tokens_per_s)
+    return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(runs[AUTO], runs[best]))
 
 
 def _median_run(runs: list[workloads.Run]) -> workloads.Run:
