@@ -6,7 +6,7 @@ max(0, p - q') on a copy of p, its inverse CDF) plus the uniforms; two launches 
 
 * `_residual_sums_kernel`, one program per (request, vocabulary block): the block's mass of p at the first
   rejected position a, and of the residual, which is p with that position's proposals taken off
-  (p - min(p, q') on the M proposal ids);
+  (max(0, p - q') on the M proposal ids, entry by entry);
 * `_draw_kernel`, one program per request: the acceptances, and the emitted token by inverse CDF, first
   over the block masses, then inside the one block the draw falls in.
 
@@ -50,14 +50,21 @@ def _first_rejected(p_row, argmax_ptr, drafts_ptr, q_ids_ptr, q_probs_ptr, num_d
 
 
 @triton.jit
-def _proposals(q_ids_ptr, q_probs_ptr, p_a, r, k, m, at, own, BLOCK_M: tl.constexpr):
-    """(ids [BLOCK_M], taken = min(p, q') [BLOCK_M]) of the rejected position's proposals (0 where not own)."""
-    mm = tl.arange(0, BLOCK_M)
-    own = own & (mm < m)
-    ids = tl.load(q_ids_ptr + (r * k + at) * m + mm, mask=own, other=-1)
-    qp = tl.load(q_probs_ptr + (r * k + at) * m + mm, mask=own, other=0.0)
-    p_ids = tl.load(p_a + ids, mask=own, other=0.0)
-    return ids, tl.where(own, tl.minimum(p_ids, tl.maximum(qp, 0.0)), 0.0)
+def _block(p_a, q_ids_ptr, q_probs_ptr, r, k, m, at, own, blk, vocab, BLOCK_V: tl.constexpr):
+    """(p [BLOCK_V], the residual [BLOCK_V]) over vocabulary block blk: p less q' on the rejected position
+    at's proposals where `own`, entry by entry and clamped at 0, as the torch form builds it. Summed as
+    sum(p) - sum(min(p, q')) instead, a residual that is 0 everywhere (q' >= p) left rounding noise in each
+    block, and the draw fell on an entry of mass 0."""
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    chunk = tl.load(p_a + offs, mask=offs < vocab, other=0.0)
+    residual = chunk
+    if own:
+        base = (r * k + at) * m
+        for i in range(0, m):  # M scalar proposals: no [BLOCK_V, M] tile
+            qid = tl.load(q_ids_ptr + base + i)
+            qp = tl.maximum(tl.load(q_probs_ptr + base + i), 0.0)
+            residual = tl.where(offs == qid, tl.maximum(residual - qp, 0.0), residual)
+    return chunk, residual
 
 
 @triton.jit(do_not_specialize=["k", "m", "vocab", "num_blocks"])
@@ -74,14 +81,11 @@ def _residual_sums_kernel(
         a, j, drafts, argmax = _first_rejected(
             p_row, argmax_ptr, drafts_ptr, q_ids_ptr, q_probs_ptr, num_drafts_ptr, r, k, m, vocab, stride_d,
             tl.load(frontier_ptr + r), tl.load(seed_ptr + r), greedy, accept_stream, golden, m1, m2, BLOCK_W, BLOCK_M)
-        p_a = p_row + a * vocab
-        offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-        mass = tl.sum(tl.load(p_a + offs, mask=offs < vocab, other=0.0), 0)
         rejected = (a < tl.load(num_drafts_ptr + r)) & (k > 0)
-        ids, taken = _proposals(q_ids_ptr, q_probs_ptr, p_a, r, k, m, tl.minimum(a, k - 1), rejected, BLOCK_M)
-        here = (ids >= blk * BLOCK_V) & (ids < blk * BLOCK_V + BLOCK_V)
-        tl.store(sums_ptr + (r * 2) * num_blocks + blk, mass)
-        tl.store(sums_ptr + (r * 2 + 1) * num_blocks + blk, mass - tl.sum(tl.where(here, taken, 0.0), 0))
+        chunk, residual = _block(p_row + a * vocab, q_ids_ptr, q_probs_ptr, r, k, m, tl.minimum(a, k - 1), rejected,
+                                 blk, vocab, BLOCK_V)
+        tl.store(sums_ptr + (r * 2) * num_blocks + blk, tl.sum(chunk, 0))
+        tl.store(sums_ptr + (r * 2 + 1) * num_blocks + blk, tl.sum(residual, 0))
 
 
 @triton.jit(do_not_specialize=["k", "m", "vocab", "num_blocks"])
@@ -102,24 +106,24 @@ def _draw_kernel(
         b = tl.arange(0, BLOCK_B)
         p_mass = tl.load(sums_ptr + (r * 2) * num_blocks + b, mask=b < num_blocks, other=0.0)
         r_mass = tl.load(sums_ptr + (r * 2 + 1) * num_blocks + b, mask=b < num_blocks, other=0.0)
-        use_residual = tl.sum(r_mass, 0) > 0  # else p == q' up to rounding: draw from p
+        use_residual = tl.sum(r_mass, 0) > 0  # else p == q' wherever p has mass: draw from p
         masses = tl.where(use_residual, r_mass, p_mass)
         target = counter_uniform(seed, n0 + a, sample_stream, golden, m1, m2) * tl.sum(masses, 0)
         # The block the draw falls in: the blocks whose cumulative mass is <= target lie wholly below it.
         cum = tl.cumsum(masses, 0)
         blk = tl.sum(((cum <= target) & (b < num_blocks)).to(tl.int32), 0)
-        blk = tl.minimum(blk, num_blocks - 1)
+        blk = tl.minimum(blk, tl.max(tl.where(masses > 0, b, 0), 0))  # past the end by rounding: the last with mass
         carry = tl.sum(tl.where(b < blk, masses, 0.0), 0)
-        # Inside it, the residual entry by entry: p less min(p, q') on the rejected position's proposals.
-        p_a = p_row + a * vocab
-        offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-        chunk = tl.load(p_a + offs, mask=offs < vocab, other=0.0)
+        # Inside it, the same entries the block's mass summed.
         rejected = (a < tl.load(num_drafts_ptr + r)) & (k > 0) & use_residual
-        ids, taken = _proposals(q_ids_ptr, q_probs_ptr, p_a, r, k, m, tl.minimum(a, k - 1), rejected, BLOCK_M)
-        chunk -= tl.sum(tl.where(offs[:, None] == ids[None, :], taken[None, :], 0.0), 1)
-        cdf = tl.cumsum(chunk, 0) + carry
+        chunk, residual = _block(p_row + a * vocab, q_ids_ptr, q_probs_ptr, r, k, m, tl.minimum(a, k - 1), rejected,
+                                 blk, vocab, BLOCK_V)
+        offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+        cdf = tl.cumsum(residual, 0) + carry
         below = blk * BLOCK_V + tl.sum(((cdf <= target) & (offs < vocab)).to(tl.int32), 0)
-        emitted = tl.minimum(below, vocab - 1).to(tl.int64)
+        # A target past the block's cumsum by rounding (its mass was a tree sum): the block's last entry with mass.
+        last = tl.max(tl.where(residual > 0, offs, -1), 0)
+        emitted = tl.where(last >= 0, tl.minimum(below, last), tl.minimum(below, vocab - 1)).to(tl.int64)
     tokens = tl.where(j == a, emitted, tl.where(j < k, drafts, 0))
     tl.store(tokens_ptr + r * (k + 1) + j, tokens, mask=j < k + 1)
     tl.store(accepted_ptr + r, a.to(tl.int64))

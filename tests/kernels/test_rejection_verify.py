@@ -55,17 +55,20 @@ def test_kernel_matches_the_torch_verification(kernels, reqs, k, vocab, m, block
     assert 0 < want_accepted.float().mean() < k or k == 0  # the case exercises both outcomes
 
 
-def test_kernel_draws_from_p_where_the_residual_vanishes(kernels):
+@pytest.mark.parametrize("seed,vocab,block_v", [(11, 8, 1024), (0, 300, 64), (3, 300, 64)])
+def test_kernel_draws_from_p_where_the_residual_vanishes(kernels, seed, vocab, block_v):
     """q' above p on the whole vocabulary: a rejection leaves max(0, p - q') = 0, where the torch form draws
-    from p instead: the kernel too."""
+    from p instead: the kernel too, over one vocabulary block or several (summed as sum(p) - sum(min(p, q'))
+    per block, the zero residual left rounding noise and the draw fell on a block's first token)."""
     from mtpserve.kernels.rejection_verify import rejection_verify
 
-    c = _case(11, 12, 2, 8, 8, same_q=True)  # m = vocab: q' covers every token
+    c = _case(seed, 12, 2, vocab, vocab, same_q=True)  # m = vocab: q' covers every token
     c["greedy"][:] = False
     c["num_drafts"][:] = 2
     want_tokens, want_accepted = _oracle(c)
     assert (want_accepted < 2).sum() >= 6  # rejections happen (each draft is kept with probability 1/2)
-    tokens, accepted = rejection_verify(*(c[a].to(kernels.device) for a in ARGS), STREAM_ACCEPT, STREAM_SAMPLE)
+    tokens, accepted = rejection_verify(*(c[a].to(kernels.device) for a in ARGS), STREAM_ACCEPT, STREAM_SAMPLE,
+                                        block_v=block_v)
     assert torch.equal(accepted.cpu(), want_accepted)
     for r, a in enumerate(want_accepted.tolist()):
         assert tokens[r, a] == want_tokens[r, a]
