@@ -230,7 +230,7 @@ class AdaptiveSpec:
         if rows is not self._rows:  # the scheduler passes the same array until its running set changes
             self._rows = rows
             self._rows_active = rows.size > 0 and bool(t.adaptive.take(rows).any())
-            greedy = bool(t.greedy.take(rows).all())
+            greedy = bool(t.greedy.take(rows).all()) if rows.size else self.greedy  # none running: keep the mode
             if greedy != self.greedy:
                 self.greedy, self._held = greedy, self.dwell  # another mode, other costs: choose again now
         self.active, bucket = self._rows_active, self._rows_bucket
@@ -251,7 +251,9 @@ class AdaptiveSpec:
             gains, base, floor = t.fold(rows)
             tokens = base + np.concatenate(([0.0], np.cumsum(gains)))  # per k, of the running rows
             costs = self.costs.costs(batch, tokens * (batch / rows.size), self.greedy)  # as many per request
-            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), batch)
+            # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
+            # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
+            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0

@@ -257,8 +257,9 @@ class StepCosts:
             slope = float(self.host_slopes[b])
         else:
             self.host_slopes[b] = slope
-        # Nor may a slope kept from before make the host's share now negative at the fewest tokens.
-        slope = min(slope, float(np.min(seconds[last] / np.maximum(emitted[last], 1e-9))))
+        # Nor may a slope kept from before exceed the host's share per token now (the level would go negative);
+        # a median, since a lap whose host share was clamped at 0 would otherwise zero the slope.
+        slope = min(slope, float(np.median(seconds[last] / np.maximum(emitted[last], 1e-9))))
         level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
         return float(level) * batch, slope, median * batch
 

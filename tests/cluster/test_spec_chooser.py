@@ -520,6 +520,22 @@ def test_a_ramping_batch_is_chosen_for_the_batch_it_will_reach() -> None:
     assert spec.choose(rows, batch=8) == 0  # never below the rows running
 
 
+def test_waiting_requests_that_never_join_do_not_make_the_chooser_explore_for_good() -> None:
+    """8 requests run and 56 wait (the KV cache is full: they cannot join). Prices come from the bucket of
+    64, but steps land in the bucket of 8: a k - 1 that is 'untimed' must be judged where the samples land,
+    or every choice would go down to time it and every rise would cost a catch-up."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=64))
+    rows = np.array([spec.admit(K, True) for _ in range(8)])
+    spec.acceptance.set(rows, np.full((K, 8), 0.95))
+    ks = []
+    for _ in range(12):
+        spec.dwell = 0  # choose every call
+        ks.append(spec.choose(rows, batch=64))
+        for _ in range(4):
+            spec.costs.observe(8, ks[-1], 1e-3 * (1 + 0.05 * ks[-1]))
+    assert ks.count(K - 1) <= 1 and ks[-1] == K, ks
+
+
 def test_a_burst_after_an_idle_spell_is_chosen_for_before_its_prefills() -> None:
     """Nothing runs and 256 requests wait: the k their prefills run is chosen for them now (from the engine's
     prior acceptance and the costs at 256 rows), not left over from the drained batch before (k = 0 there)."""
