@@ -195,12 +195,13 @@ class KVBlockManager:
         return self.enable_caching and num_computed >= self._next_offer.get(req_id, 0)
 
     def offer_committed(self, req_id: str, token_ids: list[int], num_computed: int, hashes: list[list[bytes]],
-                        groups: tuple[int, ...], module_limit: int | None = None) -> None:
+                        groups: tuple[int, ...], module_limit: int | None = None, final: bool = False) -> None:
         """Offer the request's newly full, committed blocks to the cache (cheap when there are none).
 
         module_limit: the MTP groups (1, 2, ...) are offered only below it (their modules may lag past it).
+        final: the request finishes; offer what is committed and hashable even where not yet due.
         """
-        if not self.offer_due(req_id, num_computed):
+        if not (final or self.offer_due(req_id, num_computed)):
             return
         bs, n = self.block_size, len(token_ids)
         offered = self._offered.setdefault(req_id, [0] * len(self.pools))

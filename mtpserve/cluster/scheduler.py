@@ -78,6 +78,7 @@ class Scheduler:
         if req.status == Status.FINISHED:
             return
         if req.status == Status.RUNNING:
+            self._offer(req, final=True)  # blocks that filled since the last offer, due or not
             self.running.remove(req)
             self._rows = None
             self._freed.append(req.request_id)
@@ -285,11 +286,13 @@ class Scheduler:
             groups = self._groups_of_k[req.num_spec] = (0,) + tuple(1 + m for m, e in enumerate(extras) if e >= 0)
         return groups
 
-    def _offer(self, req: Request) -> None:
-        """Newly committed full blocks become reusable (a no-op until a block fills)."""
-        if req.status == Status.RUNNING and self.blocks.offer_due(req.request_id, req.num_computed):
+    def _offer(self, req: Request, final: bool = False) -> None:
+        """Newly committed full blocks become reusable (a no-op until a block fills). final: the request is
+        finishing, and a block not yet due (the target's waits for the modules' lookahead) is offered now or
+        never."""
+        if req.status == Status.RUNNING and (final or self.blocks.offer_due(req.request_id, req.num_computed)):
             self.blocks.offer_committed(req.request_id, req.token_ids, req.num_computed, req.block_hashes,
-                                        self._groups(req), req.modules_exact_upto)
+                                        self._groups(req), req.modules_exact_upto, final)
 
     def _allocate(self, req: Request, n: int, d: int) -> list[list[int]] | None:
         """The blocks each group gains this step ([]: none, the usual decode step); None when some group lacks

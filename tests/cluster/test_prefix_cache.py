@@ -198,6 +198,9 @@ def test_a_block_is_offered_only_when_committed_and_its_lookahead_is_verified() 
     other: list[bytes] = [hashes[2][0]]
     extend_hashes(other, tokens + [77], BLOCK, 2, 2)
     assert other[1] != hashes[2][1], "module 1's block 1 covers t_9"
+    # A request that finishes before its next blocks are due offers what is committed and hashable then.
+    blocks.offer_committed("a", tokens + [19, 20, 21, 22], 13, hashes, (0, 1, 2), final=True)
+    assert [len(h) for h in hashes] == [3, 3, 2]  # module 1's block 2 needs t_13, not verified yet
     shifted: list[bytes] = []
     extend_hashes(shifted, [99] + tokens[1:], BLOCK, 1, 2)
     assert shifted[0] != hashes[1][0], "module 0's first block covers t_0 as well"
