@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("auto / best fixed k: " + ", ".join(summary))
     if paired and args.repeats > 1:
         notes.append("auto / best fixed k round by round (the best k by its median, then the median over rounds of "
-                     "auto's run / that k's run of the same round, run back to back): "
+                     "auto's run / that k's run of the same round): "
                      + ", ".join(paired))
     common.report(args, "spec_matrix", device, [table], notes)
     return 0
@@ -198,9 +198,10 @@ def _prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] |
 def _paired_ratio(runs: dict[int | str, list[workloads.Run]], fixed: list[int]) -> float:
     """The median over rounds of auto's tok/s over the best fixed k's in the same round (the best k by median).
     The host's speed moves 2x between rounds on the H100 machine (session J, run 77), and a ratio of medians
-    taken over different rounds carries that; cells of one round run back to back."""
+    taken over different rounds carries that; the cells of one round run one after the other."""
     best = max(fixed, key=lambda k: _median_run(runs[k]).tokens_per_s)
-    return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(runs[AUTO], runs[best]))
+    return statistics.median(a.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
+                             for a, b in zip(runs[AUTO], runs[best]))
 
 
 def _median_run(runs: list[workloads.Run]) -> workloads.Run:
