@@ -268,9 +268,10 @@ class AdaptiveSpec:
         c = 256 the first wave of each closed loop prefilled at k = 2 or 3 and 196 requests were caught up
         when k rose to 4 (run 73). Held for the next min_dwell steps, by then chosen for its own rows."""
         self._bucket = self._rows_bucket
-        reach = np.cumprod(self.acceptance.prior[: self.config.max_k])
-        gains, costs = batch * reach, self.costs.costs(batch, batch * (1.0 + np.r_[0.0, np.cumsum(reach)]), self.greedy)
-        self.k = choose_k(gains, float(batch), 0, costs, self.k, self.config.hysteresis)
+        gains = batch * np.cumprod(self.acceptance.prior[: self.config.max_k])
+        tokens = batch + np.concatenate(([0.0], np.cumsum(gains)))  # per k, as in choose
+        self.k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), self.k,
+                          self.config.hysteresis)
         self._held, self.dwell = 0, self.config.min_dwell
         self.chosen[self.k] += 1
         return self.k

@@ -51,7 +51,7 @@ def _first_rejected(p_row, argmax_ptr, drafts_ptr, q_ids_ptr, q_probs_ptr, num_d
 
 @triton.jit
 def _block(p_a, q_ids_ptr, q_probs_ptr, r, k, m, at, own, blk, vocab, BLOCK_V: tl.constexpr):
-    """(p [BLOCK_V], the residual [BLOCK_V]) over vocabulary block blk: p less q' on the rejected position
+    """(offsets, p, the residual; each [BLOCK_V]) over vocabulary block blk: p less q' on the rejected position
     at's proposals where `own`, entry by entry and clamped at 0, as the torch form builds it. Summed as
     sum(p) - sum(min(p, q')) instead, a residual that is 0 everywhere (q' >= p) left rounding noise in each
     block, and the draw fell on an entry of mass 0."""
@@ -64,7 +64,7 @@ def _block(p_a, q_ids_ptr, q_probs_ptr, r, k, m, at, own, blk, vocab, BLOCK_V: t
             qid = tl.load(q_ids_ptr + base + i)
             qp = tl.maximum(tl.load(q_probs_ptr + base + i), 0.0)
             residual = tl.where(offs == qid, tl.maximum(residual - qp, 0.0), residual)
-    return chunk, residual
+    return offs, chunk, residual
 
 
 @triton.jit(do_not_specialize=["k", "m", "vocab", "num_blocks"])
@@ -82,8 +82,8 @@ def _residual_sums_kernel(
             p_row, argmax_ptr, drafts_ptr, q_ids_ptr, q_probs_ptr, num_drafts_ptr, r, k, m, vocab, stride_d,
             tl.load(frontier_ptr + r), tl.load(seed_ptr + r), greedy, accept_stream, golden, m1, m2, BLOCK_W, BLOCK_M)
         rejected = (a < tl.load(num_drafts_ptr + r)) & (k > 0)
-        chunk, residual = _block(p_row + a * vocab, q_ids_ptr, q_probs_ptr, r, k, m, tl.minimum(a, k - 1), rejected,
-                                 blk, vocab, BLOCK_V)
+        _, chunk, residual = _block(p_row + a * vocab, q_ids_ptr, q_probs_ptr, r, k, m, tl.minimum(a, k - 1),
+                                    rejected, blk, vocab, BLOCK_V)
         tl.store(sums_ptr + (r * 2) * num_blocks + blk, tl.sum(chunk, 0))
         tl.store(sums_ptr + (r * 2 + 1) * num_blocks + blk, tl.sum(residual, 0))
 
@@ -116,9 +116,8 @@ def _draw_kernel(
         carry = tl.sum(tl.where(b < blk, masses, 0.0), 0)
         # Inside it, the same entries the block's mass summed.
         rejected = (a < tl.load(num_drafts_ptr + r)) & (k > 0) & use_residual
-        chunk, residual = _block(p_row + a * vocab, q_ids_ptr, q_probs_ptr, r, k, m, tl.minimum(a, k - 1), rejected,
-                                 blk, vocab, BLOCK_V)
-        offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs, _, residual = _block(p_row + a * vocab, q_ids_ptr, q_probs_ptr, r, k, m, tl.minimum(a, k - 1),
+                                   rejected, blk, vocab, BLOCK_V)  # residual: p itself when not use_residual
         cdf = tl.cumsum(residual, 0) + carry
         below = blk * BLOCK_V + tl.sum(((cdf <= target) & (offs < vocab)).to(tl.int32), 0)
         # A target past the block's cumsum by rounding (its mass was a tree sum): the block's last entry with mass.
