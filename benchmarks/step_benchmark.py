@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-k", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled; the table is per step")
     p.add_argument("--top", type=int, default=15, help="rows of the profile table")
+    p.add_argument("--profile-draft", action="store_true",
+                   help="also profile one draft position at --profile-batch: the kernels of step(window 1, chain 1) "
+                        "beyond step(k = 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skinny-gemm", default="off",
                    help="linear dispatch mode(s), comma-separated from off,on,auto: each row is timed per mode")
@@ -227,7 +230,8 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, parts in KERNEL_CLASSES if any(p.lower() in low for p in parts)), "other")
 
 
-def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top: int) -> Table:
+def profiled_ops(driver: Driver, device: torch.device, k: int, steps: int) -> dict[str, tuple[float, int]]:
+    """op / kernel name -> (self microseconds, calls) over `steps` verify steps of k drafts (device time on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -237,20 +241,46 @@ def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top:
             driver.verify_step(k)
         common.sync(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")]
-    total = sum(getattr(e, key) for e in events)
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    return {e.key: (getattr(e, key), e.count) for e in prof.key_averages()
+            if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")}
+
+
+def draft_profile_table(driver: Driver, device: torch.device, batch: int, args: argparse.Namespace) -> Table:
+    """The kernels one draft position adds: step(window 1, chain 1) minus step(k = 0), per kernel name."""
+    steps = args.profile_steps
+    runs = []
+    for spec in (1, 0):
+        driver.prefill(batch, spec, args.context, args.prefill_tokens)
+        for _ in range(args.warmup):
+            driver.verify_step(0)
+        runs.append(profiled_ops(driver, device, 0, steps))
+    drafting, plain = runs
+    extra = {name: (us - plain.get(name, (0.0, 0))[0], n - plain.get(name, (0.0, 0))[1])
+             for name, (us, n) in drafting.items()}
+    total = sum(us for us, _ in extra.values())
+    t = Table(f"one draft position (batch {batch}): kernels of step(window 1, chain 1) beyond step(k=0), mean of "
+              f"{steps} steps; total {total / steps / 1e3:.3f} ms", ["op / kernel", "ms/step", "calls/step"])
+    for name, (us, n) in sorted(extra.items(), key=lambda x: -abs(x[1][0]))[: args.top]:
+        t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{n / steps:g}")
+    return t
+
+
+def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top: int) -> Table:
+    cuda = device.type == "cuda"
+    ops = profiled_ops(driver, device, k, steps)
+    events = sorted(ops.items(), key=lambda x: x[1][0], reverse=True)
+    total = sum(us for us, _ in ops.values())
     where = "device" if cuda else "CPU"
     t = Table(f"one verify step (batch {len(driver.live)}, k={k}), top ops by self {where} time, "
               f"mean of {steps} steps; total {total / steps / 1e3:.2f} ms",
               ["op / kernel", "ms/step", "%", "calls/step"])
-    for e in events[:top]:
-        name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
-        t.add(name, getattr(e, key) / steps / 1e3, f"{100 * getattr(e, key) / total:.1f}", f"{e.count / steps:g}")
+    for name, (us, n) in events[:top]:
+        t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{100 * us / total:.1f}",
+              f"{n / steps:g}")
     for cls in [c for c, _ in KERNEL_CLASSES] + ["other"]:
-        mine = [e for e in events if kernel_class(e.key) == cls]
-        us = sum(getattr(e, key) for e in mine)
-        t.add(f"[all {cls}]", us / steps / 1e3, f"{100 * us / total:.1f}", f"{sum(e.count for e in mine) / steps:g}")
+        mine = [v for name, v in events if kernel_class(name) == cls]
+        us = sum(u for u, _ in mine)
+        t.add(f"[all {cls}]", us / steps / 1e3, f"{100 * us / total:.1f}", f"{sum(n for _, n in mine) / steps:g}")
     return t
 
 
@@ -337,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             driver.verify_step(args.profile_k)
         tables.append(profile_table(driver, device, args.profile_k, args.profile_steps, args.top))
         tables[-1].title += f"; linear dispatch {linear_dispatch.mode()}"
+        if args.profile_draft and len(model.mtp):
+            tables.append(draft_profile_table(driver, device, args.profile_batch, args))
         w, kv = floor_bytes(model, args.profile_batch, args.profile_k, args.context, dsize)
         profile_notes.append(f"profiled step's floors: weights {w / bw * 1e3:.2f} ms (what [all GEMM] could reach), "
                              f"KV {kv / bw * 1e3:.2f} ms ([all attention + KV store]); the step's own time (kernels "
