@@ -21,9 +21,11 @@ draft j the MTP module's weights and the shared LM head again (each draft is its
 plus the KV the target and each drafting module attend over. A torch.profiler table splits one
 verify step (--profile-batch, --profile-k) into its top kernels by self device time.
 
-One draft position (issue 12's third target): a step that verifies no draft and drafts one (window 1,
-chain 1: MTP module 0 over one row per request, the LM head, draft sampling) minus the k = 0 step of
-the same batch, against its own floor: module 0's weights + the LM head + module 0's KV.
+One draft position (issue 12's third target): a step that verifies one draft and drafts one (window 2,
+chain 1: MTP module 0 over the window's rows, the LM head, draft sampling) minus a step of the same
+window that drafts none, against its own floor: module 0's weights + the LM head + module 0's KV. (A
+step that drafts pads its verify window to its chain: measured against the k = 0 step, as before
+f5bb8b8, the row also held a second target row per request.)
 --skinny-gemm off,auto (a list) times every row once per linear dispatch mode
 (mtpserve/kernels/linear_dispatch.py), recapturing the graphs in between: an A/B in one run;
 --skinny-table loads a benchmarks/gemm_benchmark.py table first (else auto measures shapes itself).
@@ -76,8 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled; the table is per step")
     p.add_argument("--top", type=int, default=15, help="rows of the profile table")
     p.add_argument("--profile-draft", action="store_true",
-                   help="also profile one draft position at --profile-batch: the kernels of step(window 1, chain 1) "
-                        "beyond step(k = 0)")
+                   help="also profile one draft position at --profile-batch: the kernels of step(window 2, chain 1) "
+                        "beyond step(window 2, chain 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skinny-gemm", default="off",
                    help="linear dispatch mode(s), comma-separated from off,on,auto: each row is timed per mode")
@@ -160,10 +162,13 @@ class Driver:
             self.live += ids
             freed = []
 
-    def verify_step(self, k: int) -> None:
-        """Verify k drafts per request (k = 0 for requests that draft: window 1, the chain still runs)."""
+    def verify_step(self, k: int, chain: int | None = None) -> None:
+        """Verify k drafts per request and draft `chain` (None: the requests' own k). Verifying a draft and
+        making none (chain 0) is the step after k fell to 0: here it repeats, verifying a stale draft, to time
+        a verify window without its chain."""
         n = len(self.live)
-        plan = StepPlan([], list(self.live), [1] * n, [k] * n, [[[] for _ in range(self.groups)] for _ in range(n)])
+        plan = StepPlan([], list(self.live), [1] * n, [k] * n, [[[] for _ in range(self.groups)] for _ in range(n)],
+                        num_spec=[] if chain is None else [chain] * n)
         result = self.runner.execute(plan)
         check(result.req_ids == self.live, "every request verifies")
         check(all(0 <= a <= k and len(t) == a + 1 for a, t in zip(result.num_accepted, result.token_ids)),
@@ -201,10 +206,11 @@ def use_gemm(runner: ModelRunner, mode: str) -> None:
 
 
 def time_step(driver: Driver, batch: int, spec: int, drafts: int, device: torch.device,
-              args: argparse.Namespace) -> list[float]:
-    """Prefill `batch` requests that draft `spec` tokens, then time steps verifying `drafts` each."""
+              args: argparse.Namespace, chain: int | None = None) -> list[float]:
+    """Prefill `batch` requests that draft `spec` tokens, then time steps verifying `drafts` each (and drafting
+    `chain`, None: spec)."""
     driver.prefill(batch, spec, args.context, args.prefill_tokens)
-    return common.time_ms(lambda: driver.verify_step(drafts), device, args.warmup, args.iters)
+    return common.time_ms(lambda: driver.verify_step(drafts, chain), device, args.warmup, args.iters)
 
 
 def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bool, device: torch.device,
@@ -230,15 +236,17 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, parts in KERNEL_CLASSES if any(p.lower() in low for p in parts)), "other")
 
 
-def profiled_ops(driver: Driver, device: torch.device, k: int, steps: int) -> dict[str, tuple[float, int]]:
-    """op / kernel name -> (self microseconds, calls) over `steps` verify steps of k drafts (device time on CUDA)."""
+def profiled_ops(driver: Driver, device: torch.device, k: int, steps: int,
+                 chain: int | None = None) -> dict[str, tuple[float, int]]:
+    """op / kernel name -> (self microseconds, calls) over `steps` verify steps of k drafts, drafting `chain`
+    (device time on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            driver.verify_step(k)
+            driver.verify_step(k, chain)
         common.sync(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     return {e.key: (getattr(e, key), e.count) for e in prof.key_averages()
@@ -246,19 +254,20 @@ def profiled_ops(driver: Driver, device: torch.device, k: int, steps: int) -> di
 
 
 def draft_profile_table(driver: Driver, device: torch.device, batch: int, args: argparse.Namespace) -> Table:
-    """The kernels one draft position adds: step(window 1, chain 1) minus step(k = 0), per kernel name."""
+    """The kernels one draft position adds: step(window 2, chain 1) minus step(window 2, chain 0), per kernel."""
     steps = args.profile_steps
     runs = []
-    for spec in (1, 0):
-        driver.prefill(batch, spec, args.context, args.prefill_tokens)
+    for chain in (1, 0):
+        driver.prefill(batch, 1, args.context, args.prefill_tokens)
         for _ in range(args.warmup):
-            driver.verify_step(0)
-        runs.append(profiled_ops(driver, device, 0, steps))
-    drafting, plain = runs
-    extra = {name: (us - plain.get(name, (0.0, 0))[0], n - plain.get(name, (0.0, 0))[1])
-             for name, (us, n) in drafting.items()}
+            driver.verify_step(1, chain)
+        runs.append(profiled_ops(driver, device, 1, steps, chain))
+    (drafting, plain), zero = runs, (0.0, 0)
+    extra = {name: (drafting.get(name, zero)[0] - plain.get(name, zero)[0],
+                    drafting.get(name, zero)[1] - plain.get(name, zero)[1]) for name in drafting.keys() | plain.keys()}
     total = sum(us for us, _ in extra.values())
-    t = Table(f"one draft position (batch {batch}): kernels of step(window 1, chain 1) beyond step(k=0), mean of "
+    t = Table(f"one draft position (batch {batch}): kernels of step(window 2, chain 1) beyond step(window 2, "
+              "chain 0), mean of "
               f"{steps} steps; total {total / steps / 1e3:.3f} ms", ["op / kernel", "ms/step", "calls/step"])
     for name, (us, n) in sorted(extra.items(), key=lambda x: -abs(x[1][0]))[: args.top]:
         t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{n / steps:g}")
@@ -329,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                    "floor ms", "step/floor", "tok/s @AL=k+1"])
     lean_table = Table("same-run lean reference (plain PyTorch, dense KV, SDPA, one CUDA graph each)",
                        ["batch", "verify w=1 ms", "verify w=k+1 ms (k=max)", "draft step ms"])
-    draft_table = Table("one draft position: step(window 1, chain 1) - step(k=0), i.e. MTP module 0 over one row "
-                        "per request + LM head + draft sampling; floor = module 0 + LM head + module 0's KV",
+    draft_table = Table("one draft position: step(window 2, chain 1) - step(window 2, chain 0), i.e. MTP module 0 "
+                        "over the window's rows + LM head + draft sampling; floor = module 0 + LM head + module 0's KV",
                         ["gemm", "batch", "draft ms", "lean draft ms", "draft/lean", "weights GB", "KV GB",
                          "floor ms", "draft/floor"])
     for batch in batches:
@@ -352,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{mode}] batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
                       f"floor {floor_ms:.2f} ms")
             if len(model.mtp):
-                base = base if base is not None else common.median(time_step(driver, batch, 0, 0, device, args))
-                draft = common.median(time_step(driver, batch, 1, 0, device, args)) - base
+                # The same verify window on both sides: a step that drafts pads its window to its chain.
+                verify = common.median(time_step(driver, batch, 1, 1, device, args, chain=0))
+                draft = common.median(time_step(driver, batch, 1, 1, device, args)) - verify
                 w, kv = draft_floor_bytes(model, batch, args.context, dsize)
                 floor_ms = (w + kv) / bw * 1e3
                 draft_table.add(mode, str(batch), draft, lean_draft, draft / lean_draft, gb(w), gb(kv), floor_ms,
