@@ -59,11 +59,14 @@ def _block(p_a, q_ids_ptr, q_probs_ptr, r, k, m, at, own, blk, vocab, BLOCK_V: t
     chunk = tl.load(p_a + offs, mask=offs < vocab, other=0.0)
     residual = chunk
     if own:
-        base = (r * k + at) * m
+        base, lo = (r * k + at) * m, blk * BLOCK_V
         for i in range(0, m):  # M scalar proposals: no [BLOCK_V, M] tile
             qid = tl.load(q_ids_ptr + base + i)
-            qp = tl.maximum(tl.load(q_probs_ptr + base + i), 0.0)
-            residual = tl.where(offs == qid, tl.maximum(residual - qp, 0.0), residual)
+            # Only the proposals inside this block touch it: a block of 1024 among 148 holds about one of the 32,
+            # and comparing the whole block with each proposal took the batch-256 verification 0.10 -> 0.32 ms.
+            if (qid >= lo) & (qid < lo + BLOCK_V):
+                qp = tl.maximum(tl.load(q_probs_ptr + base + i), 0.0)
+                residual = tl.where(offs == qid, tl.maximum(residual - qp, 0.0), residual)
     return offs, chunk, residual
 
 
