@@ -30,6 +30,7 @@ from typing import Any
 import common
 from common import Table, check, gb
 import step_benchmark as sb
+from step_profile import profile_table
 import torch
 from torch import nn
 
@@ -246,7 +247,7 @@ def main(args: argparse.Namespace) -> int:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
         for _ in range(args.warmup):
             driver.verify_step(args.profile_k)
-        tables.append(sb.profile_table(driver, device, args.profile_k, args.profile_steps, args.top))
+        tables.append(profile_table(driver, device, args.profile_k, args.profile_steps, args.top))
     common.report(args, f"step_benchmark --shape {args.shape}", device, tables, notes(cfg, model, args, bw, dtype))
     return 0
 

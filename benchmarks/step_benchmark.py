@@ -12,11 +12,14 @@ verifies a window of 1 + k tokens per request (num_tokens 1, num_drafts k), and 
 Weights are random, so drafts are rejected and each step emits one token per request; the work a
 step does (target over B*(k+1) rows, k drafter passes) does not depend on acceptance.
 
-Columns: step (median, CUDA events); lean = the same-run plain-PyTorch reference (benchmarks/lean_step.py:
+Columns: step (median, CUDA events around one step launched and read alone: the device also idles
+while the host prepares it); overlapped (ms per step of steps launched the way the engine's async
+scheduling launches them, step n + 1 before step n is read: what a step costs in serving when the
+device is the bottleneck, as it is at 8B); lean = the same-run plain-PyTorch reference (benchmarks/lean_step.py:
 a dense-KV SDPA verify step of k + 1 tokens plus k one-module + LM-head draft steps, each one CUDA
 graph, over the same weights) and step/lean, the ratio the project is held to; the floor =
 (bytes a step must read) / (bandwidth measured here by a large device-to-device copy), and
-step/floor. Bytes read: every target weight but the embedding table (rows are gathered), plus per
+step/floor and overlapped/floor. Bytes read: every target weight but the embedding table (rows are gathered), plus per
 draft j the MTP module's weights and the shared LM head again (each draft is its own head matmul),
 plus the KV the target and each drafting module attend over. A torch.profiler table splits one
 verify step (--profile-batch, --profile-k) into its top kernels by self device time.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Table, check, gb  # noqa: E402
 from lean_step import LeanStep  # noqa: E402
+from step_profile import draft_profile_table, profile_table  # noqa: E402
 from mtpserve.kernels import linear_dispatch  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from mtpserve.boundary.messages import NewRequest, StepPlan  # noqa: E402
+from mtpserve.boundary.messages import NewRequest, StepPlan, StepResult  # noqa: E402
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams  # noqa: E402
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from mtpserve.workers.models.config import ModelConfig  # noqa: E402
@@ -162,14 +167,36 @@ class Driver:
             self.live += ids
             freed = []
 
+    def plan(self, k: int, chain: int | None = None) -> StepPlan:
+        """Every live request verifies k drafts and drafts `chain` (None: its own k)."""
+        n = len(self.live)
+        return StepPlan([], list(self.live), [1] * n, [k] * n, [[[] for _ in range(self.groups)] for _ in range(n)],
+                        num_spec=[] if chain is None else [chain] * n)
+
     def verify_step(self, k: int, chain: int | None = None) -> None:
         """Verify k drafts per request and draft `chain` (None: the requests' own k). Verifying a draft and
         making none (chain 0) is the step after k fell to 0: here it repeats, verifying a stale draft, to time
         a verify window without its chain."""
-        n = len(self.live)
-        plan = StepPlan([], list(self.live), [1] * n, [k] * n, [[[] for _ in range(self.groups)] for _ in range(n)],
-                        num_spec=[] if chain is None else [chain] * n)
-        result = self.runner.execute(plan)
+        result = self.runner.execute(self.plan(k, chain))
+        self._validate(result, k)
+
+    def overlapped_ms(self, k: int, device: torch.device, warmup: int, iters: int) -> float:
+        """ms per step of verify steps launched as the engine's async scheduling does (design §8): step n + 1
+        submitted before step n is read, so the host's share of a step hides behind the device's."""
+        plan = self.plan(k)
+        handle = self.runner.submit(plan)
+        for i in range(warmup + iters):
+            if i == warmup:
+                common.sync(device)
+                t0 = time.perf_counter()
+            following = self.runner.submit(plan)
+            self._validate(self.runner.wait(handle), k)
+            handle = following
+        self._validate(self.runner.wait(handle), k)
+        common.sync(device)
+        return (time.perf_counter() - t0) * 1e3 / (iters + 1)
+
+    def _validate(self, result: StepResult, k: int) -> None:
         check(result.req_ids == self.live, "every request verifies")
         check(all(0 <= a <= k and len(t) == a + 1 for a, t in zip(result.num_accepted, result.token_ids)),
               f"a window of {k} drafts emits accepted + 1 tokens")
@@ -224,75 +251,6 @@ def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bo
     return ms
 
 
-# Kernel classes summed under the profile's top kernels: which part of the step is short of its floor.
-KERNEL_CLASSES = (("GEMM", ("nvjet", "gemm", "cutlass", "cublas", "splitkreduce", "_skinny", "_sum_splits",
-                            "aten::mm", "aten::addmm")),
-                  ("attention + KV store", ("_split_kernel", "_merge_kernel", "_paged_attention", "_store_kv")),
-                  ("norm / rope / SwiGLU", ("_rms_norm", "_rope", "_silu_mul")))
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    return next((cls for cls, parts in KERNEL_CLASSES if any(p.lower() in low for p in parts)), "other")
-
-
-def profiled_ops(driver: Driver, device: torch.device, k: int, steps: int,
-                 chain: int | None = None) -> dict[str, tuple[float, int]]:
-    """op / kernel name -> (self microseconds, calls) over `steps` verify steps of k drafts, drafting `chain`
-    (device time on CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            driver.verify_step(k, chain)
-        common.sync(device)
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return {e.key: (getattr(e, key), e.count) for e in prof.key_averages()
-            if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")}
-
-
-def draft_profile_table(driver: Driver, device: torch.device, batch: int, args: argparse.Namespace) -> Table:
-    """The kernels one draft position adds: step(window 2, chain 1) minus step(window 2, chain 0), per kernel."""
-    steps = args.profile_steps
-    runs = []
-    for chain in (1, 0):
-        driver.prefill(batch, 1, args.context, args.prefill_tokens)
-        for _ in range(args.warmup):
-            driver.verify_step(1, chain)
-        runs.append(profiled_ops(driver, device, 1, steps, chain))
-    (drafting, plain), zero = runs, (0.0, 0)
-    extra = {name: (drafting.get(name, zero)[0] - plain.get(name, zero)[0],
-                    drafting.get(name, zero)[1] - plain.get(name, zero)[1]) for name in drafting.keys() | plain.keys()}
-    total = sum(us for us, _ in extra.values())
-    t = Table(f"one draft position (batch {batch}): kernels of step(window 2, chain 1) beyond step(window 2, "
-              "chain 0), mean of "
-              f"{steps} steps; total {total / steps / 1e3:.3f} ms", ["op / kernel", "ms/step", "calls/step"])
-    for name, (us, n) in sorted(extra.items(), key=lambda x: -abs(x[1][0]))[: args.top]:
-        t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{n / steps:g}")
-    return t
-
-
-def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top: int) -> Table:
-    cuda = device.type == "cuda"
-    ops = profiled_ops(driver, device, k, steps)
-    events = sorted(ops.items(), key=lambda x: x[1][0], reverse=True)
-    total = sum(us for us, _ in ops.values())
-    where = "device" if cuda else "CPU"
-    t = Table(f"one verify step (batch {len(driver.live)}, k={k}), top ops by self {where} time, "
-              f"mean of {steps} steps; total {total / steps / 1e3:.2f} ms",
-              ["op / kernel", "ms/step", "%", "calls/step"])
-    for name, (us, n) in events[:top]:
-        t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{100 * us / total:.1f}",
-              f"{n / steps:g}")
-    for cls in [c for c, _ in KERNEL_CLASSES] + ["other"]:
-        mine = [v for name, v in events if kernel_class(name) == cls]
-        us = sum(u for u, _ in mine)
-        t.add(f"[all {cls}]", us / steps / 1e3, f"{100 * us / total:.1f}", f"{sum(n for _, n in mine) / steps:g}")
-    return t
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.shape != "llama8b":
@@ -316,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {common.device_name(device)}; copy bandwidth {bw / 1e12:.3f} TB/s; weights: target "
           f"{gb(nbytes(model.target)):.2f} GB, MTP {gb(nbytes(model.mtp)):.2f} GB ({dtype})")
 
-    steps_total = args.warmup + args.iters + 2 + max(args.profile_steps, 0)
+    steps_total = 2 * (args.warmup + args.iters + 2) + max(args.profile_steps, 0)  # serial, then overlapped
     # Room for the context, every timed step's window, and the drafter's writes past the frontier.
     positions = args.context + steps_total * (max(ks) + 1) + 2 * MAX_SPECULATIVE_TOKENS
     blocks_per_req = math.ceil(positions / args.block_size)
@@ -335,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(f"verify step, context {args.context}, bandwidth {bw / 1e12:.2f} TB/s (copy)",
                   ["gemm", "batch", "k", "window", "step ms", "lean ms", "step/lean", "vs k=0", "weights GB", "KV GB",
-                   "floor ms", "step/floor", "tok/s @AL=k+1"])
+                   "floor ms", "step/floor", "overlapped ms", "overlapped/floor", "tok/s @AL=k+1"])
     lean_table = Table("same-run lean reference (plain PyTorch, dense KV, SDPA, one CUDA graph each)",
                        ["batch", "verify w=1 ms", "verify w=k+1 ms (k=max)", "draft step ms"])
     draft_table = Table("one draft position: step(window 2, chain 1) - step(window 2, chain 0), i.e. MTP module 0 "
@@ -352,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             for k in ks:
                 times = time_step(driver, batch, k, k, device, args)
                 ms = common.median(times)
+                overlapped = driver.overlapped_ms(k, device, args.warmup, args.iters)
                 base = ms if k == 0 else base
                 lean = lean_verify[k] + k * lean_draft
                 w, kv = floor_bytes(model, batch, k, args.context, dsize)
                 floor_ms = (w + kv) / bw * 1e3
                 table.add(mode, str(batch), str(k), str(k + 1), ms, lean, ms / lean, ms / base if base else None,
-                          gb(w), gb(kv), floor_ms, ms / floor_ms, f"{batch * (k + 1) / ms * 1e3:.0f}")
+                          gb(w), gb(kv), floor_ms, ms / floor_ms, overlapped, overlapped / floor_ms,
+                          f"{batch * (k + 1) / ms * 1e3:.0f}")
                 print(f"[{mode}] batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
                       f"floor {floor_ms:.2f} ms")
             if len(model.mtp):
@@ -388,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
              f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
              f"{len(model.mtp)} MTP modules; {dtype}; random weights",
              f"measured copy bandwidth {bw / 1e12:.3f} TB/s ((read + write) / time, {args.bandwidth_gb:g} GB copy)",
-             f"step = median of {args.iters} after {args.warmup} warm-up; lean = lean verify (k+1 tokens) + k lean "
+             f"step = median of {args.iters} after {args.warmup} warm-up (each step launched and read alone); "
+             f"overlapped = mean over {args.iters + 1} steps, each launched before the previous one is read; lean = lean verify (k+1 tokens) + k lean "
              "draft steps, timed in this run; tok/s @AL=k+1 is the ceiling if every draft were accepted",
              "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth",
              f"gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: {args.skinny_gemm}"
