@@ -15,17 +15,19 @@ Eligible: a CUDA tensor, bf16 or fp16, 1..MAX_ROWS rows. Capture safety: a measu
 device, so it never runs while a stream captures; the runners warm every graph's step up eagerly
 before capturing it (cuda_graphs.WARMUP_RUNS), which measures each shape a graph will hold, at start
 when graphs are captured at start. A measurement times F.linear and skinny_gemm's candidate configs
-with the L2 cache evicted before each call (weights are never L2-resident in a real step).
+the way a captured step runs them: back to back in a CUDA graph, on weights that are not L2-resident.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -134,25 +136,31 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return choice.config if _mode == "on" or choice.skinny_wins else None
 
 
-def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, reps: int = 10) -> Choice:
-    """Time F.linear and every candidate config (median per call, L2 evicted before each); syncs the device.
+def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, reps: int = 5) -> Choice:
+    """Time F.linear and every candidate config as a captured step runs them; syncs the device.
 
-    A serving process has given most of its memory to KV pools, so the eviction reads a buffer of twice
-    the L2 (a read leaves no dirty lines to write back inside the timed call), and a shape whose
-    buffer does not fit is left to cuBLAS rather than failing the warm-up."""
+    Each is captured CALLS times back to back into one CUDA graph, each call on the next of a few copies
+    of the weight (at least twice the L2 in all, so no call finds its weight cached), and timed per call
+    over replays. Timed one call at a time after an L2 eviction instead, cuBLAS had looked as fast as the
+    skinny kernel on most 8B shapes, and auto kept it, while in the captured step the skinny kernel on
+    every product took the batch-1 step from 6.02 to 5.80 ms (H100, runs 85-86): a call alone also
+    pays its launch and ramp, which a graph overlaps with the call before. A serving process has given
+    most of its memory to KV pools: a shape whose copies do not fit is left to cuBLAS."""
     from mtpserve.kernels.skinny_gemm import candidate_configs, num_sms, skinny_gemm
 
     (rows, k), n = x.shape, weight.shape[0]
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    copies = max(1, -(-2 * l2 // (weight.numel() * weight.element_size())))
     try:
-        evict = torch.ones(2 * torch.cuda.get_device_properties(x.device).L2_cache_size // 4, device=x.device)
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        cublas = _replay_us(lambda w: F.linear(x, w, bias), weights, reps)
     except torch.cuda.OutOfMemoryError:
         warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
         return Choice((), float("inf"), 0.0)
-    cublas = _median_us(lambda: F.linear(x, weight, bias), evict, reps)
     best: tuple[float, tuple[int, ...]] | None = None
     for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
         try:
-            us = _median_us(lambda: skinny_gemm(x, weight, bias, cfg), evict, reps)
+            us = _replay_us(lambda w: skinny_gemm(x, w, bias, cfg), weights, reps)
         except Exception as exc:  # e.g. OutOfResources (shared memory) on a smaller GPU: skip that config
             warnings.warn(f"skinny_gemm config {cfg} failed for {tuple(weight.shape)} at M={rows}: {exc!r}")
             continue
@@ -161,16 +169,40 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return Choice((), float("inf"), cublas) if best is None else Choice(best[1], best[0], cublas)
 
 
-def _median_us(fn, evict: torch.Tensor, reps: int) -> float:
-    fn()  # compiles, picks cuBLAS's kernel
+CALLS = 12  # products per measuring graph: enough for the gaps between them to show, short to capture
+
+
+def _replay_us(product: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], reps: int) -> float:
+    """Median microseconds per product over `reps` replays of a graph of CALLS products, cycling the weights."""
+    for w in weights:
+        product(w)  # compiles, picks cuBLAS's kernel: nothing is compiled inside the capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    # Not torch.cuda.graph: its entry collects garbage and empties the cache, tens of ms for each of the dozens
+    # of graphs a warm-up measures. thread_local: a server thread's CUDA calls must not abort the capture, nor
+    # may the garbage collector free another graph meanwhile (cuda_graphs.capture_graph).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for i in range(CALLS):
+                    product(weights[i % len(weights)])
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
+    torch.cuda.current_stream().wait_stream(stream)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    graph.replay()
     for start, end in events:
-        evict.max()  # reads past the L2: fn finds its weight in HBM, as in a step
         start.record()
-        fn()
+        graph.replay()
         end.record()
     torch.cuda.synchronize()
-    return 1e3 * sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
+    return 1e3 * sorted(start.elapsed_time(end) for start, end in events)[reps // 2] / CALLS
 
 
 class DispatchedLinear(nn.Linear):
