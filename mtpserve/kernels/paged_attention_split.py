@@ -15,13 +15,11 @@ request's actual length, so the grid stays fixed for a CUDA-graph bucket and not
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from mtpserve.kernels.paged_attention import _LOG2E, _attend_range, _load_queries, check_paged_inputs
+from mtpserve.kernels.paged_attention import _LOG2E, _attend_range, _load_queries, check_paged_inputs, sm_count
 
 MAX_WINDOW = 16  # queries per request (1 + drafts) this kernel takes; longer ones go to paged_attention
 _MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in merging than it gains
@@ -102,17 +100,6 @@ def _merge_kernel(
 
 # TRITON_INTERPRET=1 at import time makes @triton.jit return an interpreted function instead.
 _INTERPRETED = not isinstance(_split_kernel, triton.runtime.jit.JITFunction)
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 off CUDA: an H100's, for interpreted runs)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def num_splits_for(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, group: int,

@@ -131,6 +131,24 @@ def test_kernel_matches_reference(kernels, case, tiles, dtype):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+def test_kernel_matches_reference_with_32_position_tiles(kernels):
+    """The tile the one-pass kernel takes when its programs overflow one wave (one_pass_block_n)."""
+    spec = CASES["verify-only"]
+    b = make_batch(spec["ctx"], spec["q"], heads=spec["heads"], kv_heads=spec["kv_heads"], head_dim=spec["head_dim"],
+                   page=spec["page"], dtype=torch.bfloat16, seed=3).to(kernels.device)
+    torch.testing.assert_close(kernels.paged_attention(*b.args(), block_n=32), paged_attention_ref(*b.args()),
+                               atol=TOLERANCE[torch.bfloat16], rtol=TOLERANCE[torch.bfloat16])
+
+
+def test_one_pass_tile_fits_its_programs_in_one_wave():
+    from mtpserve.kernels.paged_attention import one_pass_block_n
+
+    assert one_pass_block_n(32, 8, 128, sm_count=132) == 64  # 256 programs: one wave of 64-position tiles
+    assert one_pass_block_n(64, 8, 128, sm_count=132) == 32  # 512 > 3 x 132: smaller tiles, all resident
+    assert one_pass_block_n(64, 8, 64, sm_count=132) == 64  # half the head: twice the programs per SM fit
+    assert one_pass_block_n(1, 1, 256, sm_count=132) == 32  # wide heads always take the small tile
+
+
 def test_kernel_fp16(kernels):
     b = make_batch([20, 0, 3], [4, 33, 1], heads=4, kv_heads=2, head_dim=64, page=16,
                    dtype=torch.float16, seed=5).to(kernels.device)
