@@ -180,10 +180,10 @@ class Driver:
         result = self.runner.execute(self.plan(k, chain))
         self._validate(result, k)
 
-    def overlapped_ms(self, k: int, device: torch.device, warmup: int, iters: int) -> float:
+    def overlapped_ms(self, k: int, device: torch.device, warmup: int, iters: int, chain: int | None = None) -> float:
         """ms per step of verify steps launched as the engine's async scheduling does (design §8): step n + 1
         submitted before step n is read, so the host's share of a step hides behind the device's."""
-        plan = self.plan(k)
+        plan = self.plan(k, chain)
         handle = self.runner.submit(plan)
         for i in range(warmup + iters):
             if i == warmup:
@@ -238,6 +238,18 @@ def time_step(driver: Driver, batch: int, spec: int, drafts: int, device: torch.
     `chain`, None: spec)."""
     driver.prefill(batch, spec, args.context, args.prefill_tokens)
     return common.time_ms(lambda: driver.verify_step(drafts, chain), device, args.warmup, args.iters)
+
+
+def draft_position_ms(driver: Driver, batch: int, device: torch.device, args: argparse.Namespace
+                      ) -> tuple[float, float]:
+    """(serial, overlapped) ms of one draft position: steps that verify a draft and draft one, less steps of
+    the same verify window that draft none (a step that drafts pads its window to its chain)."""
+    ms = {}
+    for chain in (0, 1):
+        driver.prefill(batch, 1, args.context, args.prefill_tokens)
+        serial = common.median(common.time_ms(lambda: driver.verify_step(1, chain), device, args.warmup, args.iters))
+        ms[chain] = serial, driver.overlapped_ms(1, device, args.warmup, args.iters, chain)
+    return ms[1][0] - ms[0][0], ms[1][1] - ms[0][1]
 
 
 def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bool, device: torch.device,
@@ -299,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_table = Table("one draft position: step(window 2, chain 1) - step(window 2, chain 0), i.e. MTP module 0 "
                         "over the window's rows + LM head + draft sampling; floor = module 0 + LM head + module 0's KV",
                         ["gemm", "batch", "draft ms", "lean draft ms", "draft/lean", "weights GB", "KV GB",
-                         "floor ms", "draft/floor"])
+                         "floor ms", "draft/floor", "overlapped draft ms", "overlapped/floor"])
     for batch in batches:
         lean_draft = lean_ms(model, batch, args.context, 1, True, device, args)
         lean_verify = {k: lean_ms(model, batch, args.context, k + 1, False, device, args) for k in ks}
@@ -321,13 +333,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{mode}] batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
                       f"floor {floor_ms:.2f} ms")
             if len(model.mtp):
-                # The same verify window on both sides: a step that drafts pads its window to its chain.
-                verify = common.median(time_step(driver, batch, 1, 1, device, args, chain=0))
-                draft = common.median(time_step(driver, batch, 1, 1, device, args)) - verify
+                draft, overlapped = draft_position_ms(driver, batch, device, args)
                 w, kv = draft_floor_bytes(model, batch, args.context, dsize)
                 floor_ms = (w + kv) / bw * 1e3
                 draft_table.add(mode, str(batch), draft, lean_draft, draft / lean_draft, gb(w), gb(kv), floor_ms,
-                                draft / floor_ms)
+                                draft / floor_ms, overlapped, overlapped / floor_ms)
                 print(f"[{mode}] batch {batch:3d} one draft position: {draft:.3f} ms, floor {floor_ms:.3f} ms")
 
     tables, profile_notes = [table, lean_table] + ([draft_table] if len(model.mtp) else []), []
