@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-draft", action="store_true",
                    help="also profile one draft position at --profile-batch: the kernels of step(window 2, chain 1) "
                         "beyond step(window 2, chain 0)")
+    p.add_argument("--no-lean", action="store_true",
+                   help="skip the lean reference (its dense KV would not fit beside the paged pool)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skinny-gemm", default="off",
                    help="linear dispatch mode(s), comma-separated from off,on,auto: each row is timed per mode")
@@ -254,7 +256,10 @@ def draft_position_ms(driver: Driver, batch: int, device: torch.device, args: ar
 
 def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bool, device: torch.device,
             args: argparse.Namespace) -> float:
-    """Median time of the lean reference step (freed again afterwards: its dense KV is large)."""
+    """Median time of the lean reference step (freed again afterwards: its dense KV is large); NaN with
+    --no-lean (its dense KV beside the runner's paged pool does not fit at long contexts and large batches)."""
+    if args.no_lean:
+        return float("nan")
     lean = LeanStep(model, batch, context, window, draft)
     ms = common.median(common.time_ms(lean.runner(), device, args.warmup, args.iters))
     del lean
