@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--python-profile", action="store_true",
                    help="also the top Python functions by cumulative time (cProfile; inflates host time)")
     p.add_argument("--python-sort", default="cumulative", help="pstats sort key of --python-profile (tottime, ...)")
+    p.add_argument("--python-filter", default="", help="regex a listed function's file:line(name) must match (e.g. cluster/)")
     return p.parse_args(argv)
 
 
@@ -142,7 +143,7 @@ def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, arg
           f"{timer.calls.get('  general', 0)}, prefill steps {timer.calls.get('  prefill', 0)}; wall by step kind: "
           + ", ".join(f"{kind} {n} x {sec / n * 1e3:.3f} ms" for kind, (n, sec) in timer.kinds.items()))
     if py_prof is not None:
-        pstats.Stats(py_prof).sort_stats(args.python_sort).print_stats(args.top)
+        pstats.Stats(py_prof).sort_stats(args.python_sort).print_stats(args.python_filter, args.top)
     if not args.torch_profile:
         return
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
