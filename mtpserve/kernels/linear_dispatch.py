@@ -140,7 +140,7 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """Time F.linear and every candidate config as a captured step runs them; syncs the device.
 
     Each is captured CALLS times back to back into one CUDA graph, each call on the next of a few copies
-    of the weight (at least twice the L2 in all, so no call finds its weight cached), and timed per call
+    of the weight (twice the L2 in all, so no call finds its weight cached; at most CALLS), timed per call
     over replays. Timed one call at a time after an L2 eviction instead, cuBLAS had looked as fast as the
     skinny kernel on most 8B shapes, and auto kept it, while in the captured step the skinny kernel on
     every product took the batch-1 step from 6.02 to 5.80 ms (H100, runs 85-86): a call alone also
@@ -150,7 +150,7 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
     (rows, k), n = x.shape, weight.shape[0]
     l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
-    copies = max(1, -(-2 * l2 // (weight.numel() * weight.element_size())))
+    copies = min(CALLS, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))  # a graph uses CALLS
     try:
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         cublas = _replay_us(lambda w: F.linear(x, w, bias), weights, reps)
