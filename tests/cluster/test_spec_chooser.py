@@ -551,6 +551,25 @@ def test_a_burst_after_an_idle_spell_is_chosen_for_before_its_prefills() -> None
     assert spec.choose(np.array([], dtype=np.int64)) == K  # nothing waits either: the last choice stays
 
 
+def test_a_newcomer_to_the_bucket_of_a_choice_that_still_holds_keeps_it() -> None:
+    """One request at a time (c = 1): each arrives to an empty batch of the bucket the last choice was made
+    for; that choice holds for its dwell instead of a full choice per request. Past the dwell it is made
+    again, from the costs as they are then."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 0.05 * k))
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.9))
+    assert spec.choose(row) == K
+    spec.release(int(row[0]))
+    for k in range(1, K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 5 * k))  # drafts now cost far more than they earn
+    empty = np.array([], dtype=np.int64)
+    assert spec.choose(empty, batch=1) == K  # within the dwell of the choice for this bucket
+    spec._held = spec.dwell
+    assert spec.choose(empty, batch=1) == 0  # the dwell is over: chosen again
+
+
 def test_sampled_batches_have_their_own_device_costs() -> None:
     """A sampled step's graph runs the rejection sampler and the sampled drafts (2-3x the greedy graph at
     T = 1 on the H100): its seeds and samples do not move the greedy table, nor the other way round."""
