@@ -364,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{len(model.mtp)} MTP modules; {dtype}; random weights",
              f"measured copy bandwidth {bw / 1e12:.3f} TB/s ((read + write) / time, {args.bandwidth_gb:g} GB copy)",
              f"step = median of {args.iters} after {args.warmup} warm-up (each step launched and read alone); "
-             f"overlapped = mean over {args.iters + 1} steps, each launched before the previous one is read; lean = lean verify (k+1 tokens) + k lean "
-             "draft steps, timed in this run; tok/s @AL=k+1 is the ceiling if every draft were accepted",
+             f"overlapped = mean over {args.iters + 1} steps, each launched before the previous one is read; "
+             "lean = lean verify (k+1 tokens) + k lean draft steps, timed in this run; tok/s @AL=k+1 is the "
+             "ceiling if every draft were accepted",
              "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth",
              f"gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: {args.skinny_gemm}"
              + (f", table {args.skinny_table}" if args.skinny_table else "")] + profile_notes
