@@ -1,0 +1,61 @@
+"""benchmarks/step_benchmark.py at tiny shapes on the CPU: the tool issue 12's figures come from runs its every
+path (steps alone and overlapped, the draft position at an equal window, both profile tables) and writes
+a row for every (batch, k) with times that are numbers."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _rows(markdown: str, title: str) -> list[dict[str, str]]:
+    """The rows of the markdown table under the bold line starting with `title`, as column -> cell."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"**{title}"))
+    header = [c.strip() for c in lines[start + 2].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 4:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> str:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import step_benchmark
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    out = tmp_path_factory.mktemp("step_benchmark") / "RESULTS.md"
+    assert step_benchmark.main(["--tiny", "--device", "cpu", "--batches", "1,3", "--drafts", "0,2", "--iters", "2",
+                                "--warmup", "1", "--profile-batch", "3", "--profile-k", "2", "--profile-steps", "1",
+                                "--profile-draft", "--commit", "test", "--results", str(out)]) == 0
+    return out.read_text()
+
+
+def test_every_batch_and_k_has_a_step_alone_and_overlapped(report: str) -> None:
+    rows = _rows(report, "verify step")
+    assert [(r["batch"], r["k"], r["window"]) for r in rows] == [("1", "0", "1"), ("1", "2", "3"),
+                                                                ("3", "0", "1"), ("3", "2", "3")]
+    for r in rows:
+        for column in ("step ms", "overlapped ms", "floor ms", "lean ms", "step/floor", "overlapped/floor"):
+            assert float(r[column]) > 0, (column, r)
+
+
+def test_the_draft_position_is_measured_both_ways(report: str) -> None:
+    rows = _rows(report, "one draft position:")
+    assert [r["batch"] for r in rows] == ["1", "3"]
+    for r in rows:
+        assert not math.isnan(float(r["draft ms"])) and not math.isnan(float(r["overlapped draft ms"]))
+
+
+def test_both_profiles_list_operations(report: str) -> None:
+    assert _rows(report, "one verify step (batch 3, k=2)"), "the step's top operations"
+    assert _rows(report, "one draft position (batch 3)"), "the operations one draft position adds"
