@@ -235,11 +235,10 @@ def use_gemm(runner: ModelRunner, mode: str) -> None:
 
 
 def time_step(driver: Driver, batch: int, spec: int, drafts: int, device: torch.device,
-              args: argparse.Namespace, chain: int | None = None) -> list[float]:
-    """Prefill `batch` requests that draft `spec` tokens, then time steps verifying `drafts` each (and drafting
-    `chain`, None: spec)."""
+              args: argparse.Namespace) -> list[float]:
+    """Prefill `batch` requests that draft `spec` tokens, then time steps verifying `drafts` each."""
     driver.prefill(batch, spec, args.context, args.prefill_tokens)
-    return common.time_ms(lambda: driver.verify_step(drafts, chain), device, args.warmup, args.iters)
+    return common.time_ms(lambda: driver.verify_step(drafts), device, args.warmup, args.iters)
 
 
 def draft_position_ms(driver: Driver, batch: int, device: torch.device, args: argparse.Namespace
