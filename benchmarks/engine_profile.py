@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--python-profile", action="store_true",
                    help="also the top Python functions by cumulative time (cProfile; inflates host time)")
     p.add_argument("--python-sort", default="cumulative", help="pstats sort key of --python-profile (tottime, ...)")
-    p.add_argument("--python-filter", default="", help="regex a listed function's file:line(name) must match (e.g. cluster/)")
+    p.add_argument("--python-filter", default="",
+                   help="regex a listed function's file:line(name) must match (e.g. cluster/)")
     return p.parse_args(argv)
 
 

@@ -186,14 +186,19 @@ class Driver:
         """ms per step of verify steps launched as the engine's async scheduling does (design §8): step n + 1
         submitted before step n is read, so the host's share of a step hides behind the device's."""
         plan = self.plan(k, chain)
-        handle = self.runner.submit(plan)
-        for i in range(warmup + iters):
-            if i == warmup:
-                common.sync(device)
-                t0 = time.perf_counter()
+
+        def advance(handle: Any) -> Any:  # launch the next step, then read the one in flight
             following = self.runner.submit(plan)
             self._validate(self.runner.wait(handle), k)
-            handle = following
+            return following
+
+        handle = self.runner.submit(plan)
+        for _ in range(warmup):
+            handle = advance(handle)
+        common.sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            handle = advance(handle)
         self._validate(self.runner.wait(handle), k)
         common.sync(device)
         return (time.perf_counter() - t0) * 1e3 / (iters + 1)

@@ -25,6 +25,11 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, parts in KERNEL_CLASSES if any(p.lower() in low for p in parts)), "other")
 
 
+def _short(name: str) -> str:
+    """An op or kernel name cut to a table cell."""
+    return name if len(name) <= 70 else name[:67] + "..."
+
+
 def profiled_ops(driver: Driver, device: torch.device, k: int, steps: int,
                  chain: int | None = None) -> dict[str, tuple[float, int]]:
     """op / kernel name -> (self microseconds, calls) over `steps` verify steps of k drafts, drafting `chain`
@@ -56,10 +61,10 @@ def draft_profile_table(driver: Driver, device: torch.device, batch: int, args: 
                     drafting.get(name, zero)[1] - plain.get(name, zero)[1]) for name in drafting.keys() | plain.keys()}
     total = sum(us for us, _ in extra.values())
     t = Table(f"one draft position (batch {batch}): kernels of step(window 2, chain 1) beyond step(window 2, "
-              "chain 0), mean of "
-              f"{steps} steps; total {total / steps / 1e3:.3f} ms", ["op / kernel", "ms/step", "calls/step"])
+              f"chain 0), mean of {steps} steps; total {total / steps / 1e3:.3f} ms",
+              ["op / kernel", "ms/step", "calls/step"])
     for name, (us, n) in sorted(extra.items(), key=lambda x: -abs(x[1][0]))[: args.top]:
-        t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{n / steps:g}")
+        t.add(_short(name), us / steps / 1e3, f"{n / steps:g}")
     return t
 
 
@@ -73,8 +78,7 @@ def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top:
               f"mean of {steps} steps; total {total / steps / 1e3:.2f} ms",
               ["op / kernel", "ms/step", "%", "calls/step"])
     for name, (us, n) in events[:top]:
-        t.add(name if len(name) <= 70 else name[:67] + "...", us / steps / 1e3, f"{100 * us / total:.1f}",
-              f"{n / steps:g}")
+        t.add(_short(name), us / steps / 1e3, f"{100 * us / total:.1f}", f"{n / steps:g}")
     for cls in [c for c, _ in KERNEL_CLASSES] + ["other"]:
         mine = [v for name, v in events if kernel_class(name) == cls]
         us = sum(u for u, _ in mine)
