@@ -31,7 +31,7 @@ from mtpserve.workers.prefill_graphs import PrefillGraphs, finish_prefill
 from mtpserve.workers.prefill_step import PrefillStep
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify_seeded
-from mtpserve.workers.sampling import apply_penalties, logprobs_topn, to_probs
+from mtpserve.workers.sampling import apply_penalties, argmax_rows, logprobs_topn, to_probs
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs
 from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
                                     sampling_tensors)
@@ -299,7 +299,7 @@ class ModelRunner:
         probs = to_probs(logits.view(len(f_reqs), k + 1, -1), st)  # per-request settings over each window
         frontier = to_device([len(r.token_ids) for r in f_reqs], torch.long, dev)
         tokens, accepted = verify_seeded(
-            probs, logits.argmax(-1).view(len(f_reqs), k + 1), draft_ids, self.slots.q_ids[slots, :k],
+            probs, argmax_rows(logits).view(len(f_reqs), k + 1), draft_ids, self.slots.q_ids[slots, :k],
             self.slots.q_probs[slots, :k], num_drafts, st.greedy, st.seed, frontier)
         _force_resumed(f_reqs, tokens)
         host = self._to_host(f_reqs, torch.cat((accepted[:, None], tokens), dim=1), raw)  # the step's one sync

@@ -29,6 +29,17 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tens
     return counter_uniforms_ref(seed, index, stream)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] int64, the first index of each row's maximum (torch.argmax); on CUDA a
+    split-vocabulary kernel that spreads a few rows over every SM (kernels/row_argmax.py)."""
+    if use_fused(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
+        from mtpserve.kernels.paged_attention import sm_count
+        from mtpserve.kernels.row_argmax import row_argmax
+
+        return row_argmax(logits, sm_count(logits.device))
+    return logits.argmax(-1)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row settings on the device; flags are host-side so unused filters cost nothing."""
@@ -159,7 +170,7 @@ def sample_draft(logits: torch.Tensor, st: SamplingTensors, m: int, index: torch
     if st.use_top_k or st.use_top_p or st.use_min_p:
         ids, probs = top_m(to_probs(logits, st), m)
         sampled = ids.gather(1, sample(probs, uniforms(st.seed, index, STREAM_DRAFT))[:, None]).squeeze(1)
-        return torch.where(st.greedy, logits.argmax(-1), sampled), ids, probs
+        return torch.where(st.greedy, argmax_rows(logits), sampled), ids, probs
     values, ids = logits.topk(min(m, logits.shape[-1]), dim=-1)
     draw = draft_sample_ref
     if use_fused(values):

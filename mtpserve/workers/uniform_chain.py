@@ -25,7 +25,7 @@ from torch import nn
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.chain import chain_steps
 from mtpserve.workers.models.mtp import MTPStack
-from mtpserve.workers.sampling import SamplingTensors, apply_penalties, sample_draft
+from mtpserve.workers.sampling import SamplingTensors, apply_penalties, argmax_rows, sample_draft
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, chain_rows, pass_rows, window_rows
 from mtpserve.workers.state import SlotBuffers
 
@@ -132,7 +132,7 @@ class DraftSampler:
             counts, prompt_mask = self.chain.buffers.penalty_state(self.slots)
             logits = apply_penalties(logits, counts + self.extra, prompt_mask, st)
         if self.flags.all_greedy:  # greedy verification never reads the proposals
-            argmax = logits.argmax(-1)
+            argmax = argmax_rows(logits)
             if self.extra is not None:
                 self.extra[torch.arange(len(argmax), device=argmax.device), argmax] += 1.0
             return argmax, None, None

@@ -18,7 +18,7 @@ import torch
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import greedy_accepted, verify_seeded
-from mtpserve.workers.sampling import SamplingTensors, apply_penalties, to_probs
+from mtpserve.workers.sampling import SamplingTensors, apply_penalties, argmax_rows, to_probs
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
 from mtpserve.workers.state import SlotBuffers
 from mtpserve.workers.uniform_chain import UniformChain
@@ -67,7 +67,7 @@ class UniformStep:
         """-> (tokens [B, w]: accepted drafts, then the emitted token at index a; accepted a [B])."""
         batch, k = drafts.shape
         logits = self._penalised(raw, samp, slots, drafts) if flags.penalties else raw
-        argmax = logits.argmax(-1).view(batch, k + 1)
+        argmax = argmax_rows(logits).view(batch, k + 1)
         if flags.all_greedy:  # exact and cheap: no distributions at all
             # An accepted draft equals the argmax at its position, so the argmax row is already the accepted
             # drafts followed by the emitted token (what lies past index a is never read).
