@@ -44,7 +44,7 @@ WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise s
 class Choice:
     """The measurement of one shape: skinny_gemm's best config and both times (microseconds)."""
 
-    config: tuple[int, ...]  # SkinnyConfig fields (block_n, block_k, split, num_warps, num_stages, block_m)
+    config: tuple[int, ...]  # SkinnyConfig fields (block_n, block_k, split, num_warps, num_stages)
     skinny_us: float
     cublas_us: float
 

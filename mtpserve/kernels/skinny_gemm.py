@@ -7,9 +7,7 @@ the weight stream, not around the MMA:
     of x as the narrow side, acc [BLOCK_N, BLOCK_M] = sum_k w[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M].
     tl.dot needs 16 on every side, so M pads to 16 / 32 / 64 (masked loads: no copy of x).
   * M above BLOCK_M: the m-tile is the fastest grid axis, so the tiles that read one w strip run side
-    by side and all but the first read it from L2. Past 64 rows (a verify window of 4 at batch 32),
-    tiles of 128 rows are candidates too: one program then streams its strip once, at the price of a
-    larger accumulator; which wins is measured.
+    by side and all but the first read it from L2.
   * split-K when N / BLOCK_N strips cannot fill the SMs (a 4096-wide output is 64 strips of 64 on
     132 SMs): SPLIT programs per strip each take a contiguous K range and write fp32 partials
     [SPLIT, M, N]; a second small kernel sums them, adds the bias and rounds (atomic-free, so the
@@ -38,23 +36,15 @@ class SkinnyConfig:
     split: int  # programs per strip along K (1: no partials, no second kernel)
     num_warps: int
     num_stages: int
-    block_m: int = 0  # rows of x per program; 0: block_m(M), at most 64 (tables of five fields load as 0)
 
     def as_list(self) -> list[int]:
-        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages, self.block_m]
-
-    def rows(self, m: int) -> int:
-        return self.block_m or block_m(m)
+        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages]
 
 
 # The tile shapes tried per (M bucket, N, K): few on purpose, each one is a compile per M tile (and per
 # split or not). (block_n, block_k, num_warps, num_stages); all stages of w and x tiles take at most
 # 192 KB of shared memory at BLOCK_M 64 (an H100 block may have 227 KB), 80 KB or less at BLOCK_M 16.
 TILES = ((64, 128, 4, 4), (128, 128, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3))
-# Tiles of WIDE_ROWS rows for M > 64, same fields: at most 192 KB of stages, an accumulator of at most 64
-# fp32 registers a thread.
-WIDE_ROWS = 128
-WIDE_TILES = ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3))
 
 
 def block_m(m: int) -> int:
@@ -67,10 +57,9 @@ def m_bucket(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def split_for(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int, rows: int = 0) -> int:
-    """Smallest power-of-two split that gives every SM a program, keeping >= 4 K tiles per program
-    (rows: the tile's rows, 0 for block_m(m))."""
-    programs = triton.cdiv(m, rows or block_m(m)) * triton.cdiv(n, block_n)
+def split_for(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Smallest power-of-two split that gives every SM a program, keeping >= 4 K tiles per program."""
+    programs = triton.cdiv(m, block_m(m)) * triton.cdiv(n, block_n)
     split = 1
     while programs * split < num_sms and triton.cdiv(k, 2 * split * block_k) >= 4 and split < 8:
         split *= 2
@@ -82,12 +71,11 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig
     programs fit an SM depends on the tile's shared memory, and a last wave that is mostly empty costs
     as much as a full one, so which count wastes least is measured, not guessed. The split is a
     runtime argument: it adds no compile beyond split-or-not."""
-    tiles = [(tile, 0) for tile in TILES] + [(tile, WIDE_ROWS) for tile in WIDE_TILES if m > 64]
     out = []
-    for (bn, bk, warps, stages), rows in tiles:
-        fill = split_for(m, n, k, bn, bk, num_sms, rows)
+    for bn, bk, warps, stages in TILES:
+        fill = split_for(m, n, k, bn, bk, num_sms)
         double = [2 * fill] if fill > 1 and triton.cdiv(k, 2 * fill * bk) >= 4 else []
-        out += [SkinnyConfig(bn, bk, split, warps, stages, rows) for split in sorted({1, fill, *double})]
+        out += [SkinnyConfig(bn, bk, split, warps, stages) for split in sorted({1, fill, *double})]
     return out
 
 
@@ -183,7 +171,7 @@ def skinny_gemm(
     if m == 0 or n == 0:
         return y
     cfg = config or default_config(m, n, k, num_sms(x.device))
-    bm = cfg.rows(m)
+    bm = block_m(m)
     k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split)  # the last split may get fewer (or none)
     splits = triton.cdiv(triton.cdiv(k, cfg.block_k), k_tiles)
     partial = splits > 1

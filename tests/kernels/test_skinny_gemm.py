@@ -27,7 +27,7 @@ def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
 
 
-# (M, N, K, config as (block_n, block_k, split, warps, stages[, block_m]) or None for the default)
+# (M, N, K, config as (block_n, block_k, split, warps, stages) or None for the default)
 CASES = {
     "m1-default": (1, 96, 128, None),
     "m5-odd-n-odd-k": (5, 50, 100, (32, 32, 1, 4, 1)),
@@ -35,8 +35,6 @@ CASES = {
     "m17-split3-ragged-k": (17, 33, 200, (16, 32, 3, 4, 1)),
     "m33-split4-uneven": (33, 40, 96, (16, 16, 4, 4, 1)),  # 6 K tiles in splits of 2: only 3 splits run
     "m70-two-m-tiles": (70, 24, 48, (16, 16, 2, 4, 1)),
-    "m100-wide-rows": (100, 40, 96, (16, 32, 1, 4, 1, 128)),  # one 128-row tile, 28 rows masked
-    "m130-wide-rows-split": (130, 24, 96, (16, 16, 2, 4, 1, 128)),  # two 128-row tiles, split-K
 }
 
 
@@ -108,10 +106,3 @@ def test_split_fills_the_sms_and_keeps_k_tiles():
     assert len(configs) == len(set(configs)) <= 12
     assert {c.split for c in configs} == {1, 2, 4, 8}  # 8: twice the 4 that fills the SMs with strips of 64
     assert {c.split for c in candidate_configs(1, 128256, 4096, 132)} == {1}
-    # 128-row tiles only past 64 rows, where one tile then covers what took two
-    assert {c.block_m for c in candidate_configs(64, 4096, 4096, 132)} == {0}
-    wide = [c for c in candidate_configs(128, 4096, 4096, 132) if c.block_m]
-    assert wide and {c.block_m for c in wide} == {128} and all(c.rows(128) == 128 for c in wide)
-    # rows of 128 halve the programs of 64-row tiles: 32 strips of 128 need split 4 to reach 132 SMs
-    assert split_for(128, 4096, 4096, 128, 64, 132, rows=128) == 8
-    assert split_for(128, 4096, 4096, 128, 64, 132) == 4
