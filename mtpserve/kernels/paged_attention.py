@@ -228,12 +228,14 @@ def paged_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:  # [T, H, D], q's dtype
     """Causal attention of every query in the flat batch over its request's paged context.
 
     max_query_len only picks the tile shape (verify-only batches get small M tiles); max_seq_len is
     unused because the kernel reads seq_lens on the device. block_m / block_n override the tiles
-    (powers of two >= 16) for tuning and tests. Nothing here syncs with the device.
+    (powers of two >= 16) and num_stages the K/V tiles in flight, for tuning and tests. Nothing here
+    syncs with the device.
     """
     check_paged_inputs(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
@@ -275,6 +277,6 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
