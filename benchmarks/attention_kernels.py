@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from mtpserve.kernels.paged_attention import one_pass_block_n, paged_attention, sm_count  # noqa: E402
+from mtpserve.kernels.paged_attention import one_pass_block_n, paged_attention, shared_memory, sm_count  # noqa: E402
 from mtpserve.kernels.paged_attention_split import num_splits_for, paged_attention_split  # noqa: E402
 
 Attend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (k_cache, v_cache) -> out
@@ -94,7 +94,7 @@ def run_case(args: argparse.Namespace, batch: int, window: int, context: int, ba
     kv_bytes = 2 * batch * seq * args.kv_heads * args.head_dim * 2
     group = args.heads // args.kv_heads
     splits = num_splits_for(batch, args.kv_heads, window, seq, group, sm_count(dev))
-    tile = one_pass_block_n(batch, args.kv_heads, args.head_dim, sm_count(dev))
+    tile = one_pass_block_n(batch, args.kv_heads, args.head_dim, sm_count(dev), window, shared_memory(dev))
     default = f"split {splits}" if splits > 1 else f"one-pass bn{tile}"
     cells = []
     for name, attend in variants(q, qsl, seq_lens, tables, window, seq, common.parse_ints(args.splits)).items():

@@ -192,16 +192,24 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 _PROGRAMS_PER_SM_AT_64 = 3
 
 
-def one_pass_block_n(num_reqs: int, num_kv_heads: int, head_dim: int, sm_count: int) -> int:
+def one_pass_block_n(num_reqs: int, num_kv_heads: int, head_dim: int, sm_count: int, window: int = 1,
+                     shared_memory: int = 227 * 1024) -> int:
     """The one-pass kernel's KV tile: 64 positions (32 past head_dim 128), or 32 where the programs would not
     all fit one wave of 64-position tiles. Then a second, mostly empty wave held the 8B decode step's
     attention at batch 64 (512 programs on 132 SMs) to 80 % of its bytes' floor, and 32-position tiles,
     all resident at once, reached 93 % (91 % for 4-token windows; H100, run 88). Where the programs fit,
-    the larger tile is the faster one (at batch 32, 8192 positions: 96 % against 80 %)."""
+    the larger tile is the faster one (at batch 32, 8192 positions: 96 % against 80 %), and a verify
+    window's (2..16 queries) programs that fill at most two waves take 128-position tiles: at batch 32
+    they beat 64 by 2-3 % at 1024 and 8192 positions (H100, session L). shared_memory: a block's opt-in
+    bytes; two stages of 128-position K and V tiles need 128 KB."""
     if head_dim > 128:
         return 32
+    programs = num_reqs * num_kv_heads
+    wide = 2 * 2 * 128 * head_dim * 2  # stages x (K, V) x positions x head_dim x 2 bytes: 128 KB
+    if 1 < window <= 16 and programs <= 2 * sm_count and head_dim == 128 and shared_memory >= wide + (32 << 10):
+        return 128
     fits = _PROGRAMS_PER_SM_AT_64 * (128 // max(head_dim, 16)) * sm_count
-    return 32 if num_reqs * num_kv_heads > fits else 64
+    return 32 if programs > fits else 64
 
 
 def sm_count(device: torch.device) -> int:
@@ -213,6 +221,17 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def shared_memory(device: torch.device) -> int:
+    """Shared memory a block may opt in to (227 KB off CUDA: an H100's, for interpreted runs)."""
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 227 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
 def paged_attention(
@@ -255,7 +274,8 @@ def paged_attention(
     block_m = max(block_m, group_p)  # at least one query per block
     block_q = block_m // group_p
     if block_n is None:
-        block_n = one_pass_block_n(num_reqs, num_kv_heads, head_dim, sm_count(q.device))
+        block_n = one_pass_block_n(num_reqs, num_kv_heads, head_dim, sm_count(q.device), max_query_len,
+                                   shared_memory(q.device))
     for name, tile in (("block_m", block_m), ("block_n", block_n)):
         if tile < 16 or tile & (tile - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's minimum), got {tile}")

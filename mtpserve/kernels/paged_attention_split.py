@@ -108,8 +108,13 @@ def num_splits_for(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq
 
     Splits only pay while (requests x KV heads) programs leave SMs idle, and only for windows that fit
     one M tile; each split keeps at least _MIN_TILES_PER_SPLIT tiles of the longest possible context.
+    A verify window whose programs fill every SM once is not split: the partials grow with the window
+    (4 tokens x 32 heads x 128 fp32 per split and request), and at batch 32 the one-pass kernel's
+    128-position tiles ran at 81 % of the KV bytes where split 2 ran at 78 % (H100, session L).
     """
     if max_query_len > MAX_WINDOW or max_query_len * triton.next_power_of_2(group) > 128:
+        return 1
+    if max_query_len > 1 and num_reqs * num_kv_heads >= sm_count:
         return 1
     wanted = -(-_PROGRAMS_PER_SM * sm_count // max(1, num_reqs * num_kv_heads))
     longest = -(-max_seq_len // (block_n * _MIN_TILES_PER_SPLIT))

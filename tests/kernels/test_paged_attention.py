@@ -131,12 +131,16 @@ def test_kernel_matches_reference(kernels, case, tiles, dtype):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
-def test_kernel_matches_reference_with_32_position_tiles(kernels):
-    """The tile the one-pass kernel takes when its programs overflow one wave (one_pass_block_n)."""
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_kernel_matches_reference_with_other_tiles(kernels, block_n):
+    """The tiles the one-pass kernel takes past one wave (32) and for verify windows of a wave (128)."""
     spec = CASES["verify-only"]
-    b = make_batch(spec["ctx"], spec["q"], heads=spec["heads"], kv_heads=spec["kv_heads"], head_dim=spec["head_dim"],
+    # contexts across 128-position tile boundaries, at the head size the 128 tile is taken for
+    ctx, q, head_dim = (spec["ctx"], spec["q"], spec["head_dim"]) if block_n == 32 else \
+        ([127, 128, 129, 300], [4, 4, 2, 5], 128)
+    b = make_batch(ctx, q, heads=spec["heads"], kv_heads=spec["kv_heads"], head_dim=head_dim,
                    page=spec["page"], dtype=torch.bfloat16, seed=3).to(kernels.device)
-    torch.testing.assert_close(kernels.paged_attention(*b.args(), block_n=32), paged_attention_ref(*b.args()),
+    torch.testing.assert_close(kernels.paged_attention(*b.args(), block_n=block_n), paged_attention_ref(*b.args()),
                                atol=TOLERANCE[torch.bfloat16], rtol=TOLERANCE[torch.bfloat16])
 
 
@@ -147,6 +151,11 @@ def test_one_pass_tile_fits_its_programs_in_one_wave():
     assert one_pass_block_n(64, 8, 128, sm_count=132) == 32  # 512 > 3 x 132: smaller tiles, all resident
     assert one_pass_block_n(64, 8, 64, sm_count=132) == 64  # half the head: twice the programs per SM fit
     assert one_pass_block_n(1, 1, 256, sm_count=132) == 32  # wide heads always take the small tile
+    # verify windows filling at most two waves: 128-position tiles, where the shared memory holds them
+    assert one_pass_block_n(32, 8, 128, sm_count=132, window=4) == 128
+    assert one_pass_block_n(32, 8, 128, sm_count=132, window=4, shared_memory=100 << 10) == 64
+    assert one_pass_block_n(40, 8, 128, sm_count=132, window=4) == 64  # 320 programs: past two waves
+    assert one_pass_block_n(32, 8, 128, sm_count=132, window=17) == 64  # a prefill chunk, not a window
 
 
 def test_kernel_fp16(kernels):

@@ -62,6 +62,9 @@ def test_split_count_fills_the_gpu_and_no_more():
     assert num_splits_for(1, 8, 1, 8192, group=4, sm_count=132) == 33
     # a full batch already fills the GPU: no split
     assert num_splits_for(64, 8, 4, 8192, group=4, sm_count=132) == 1
+    # a verify window whose programs fill the SMs once: no split; a decode step there still splits
+    assert num_splits_for(32, 8, 4, 1024, group=4, sm_count=132) == 1
+    assert num_splits_for(32, 8, 1, 1024, group=4, sm_count=132) == 2
     # a short context caps the splits at two tiles each
     assert num_splits_for(1, 8, 1, 256, group=4, sm_count=132) == 2
     # prefill chunks and windows past one M tile take the one-pass kernel
