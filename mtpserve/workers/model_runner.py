@@ -236,7 +236,7 @@ class ModelRunner:
     def _slots_on_device(self, batch: UniformBatch) -> torch.Tensor:
         """The batch's slots as a device tensor (where the group's drafts go), copied only when the batch changed."""
         if self._device_slots[0] is not batch:
-            self._device_slots = (batch, torch.from_numpy(batch.slots).to(self.device))
+            self._device_slots = (batch, to_device(batch.slots, torch.long, self.device))
         return self._device_slots[1]
 
     def _finish_uniform(self, p: "PendingStep") -> StepResult:
