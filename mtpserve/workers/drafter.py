@@ -9,7 +9,9 @@ Prefill chunks run the same code, so the first drafts come out of the prefill st
 
 The modules may live on several devices (the drafter group, docs/design.md §2): then every process runs
 this same loop over the same per-request state, computes only the passes of the modules it owns
-(`link.owns`), keeps the host bookkeeping of all of them, and hands the chain on through the link.
+(`link.owns`), keeps the host bookkeeping of all of them, and hands the chain on through the link
+(mtpserve/workers/group_links.py). This is the general path's chain; uniform steps run the device-resident
+one (mtpserve/workers/uniform_chain.py), in a group too.
 """
 
 from __future__ import annotations

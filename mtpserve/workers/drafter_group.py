@@ -1,78 +1,54 @@
 """The drafter group (docs/design.md §2): MTP modules on their own devices, fed by the target ranks.
 
 One torch.distributed process group spans the replica: target ranks 0..tp-1, then drafter ranks
-tp..tp+G-1; module k lives on drafter rank tp + k mod G. Every process applies the same StepPlans, so
-all of them know every request's layout and every tensor's shape without being told: only tensors
-travel, point to point, with no shape headers.
+tp..tp+G-1; module k lives on drafter rank tp + k mod G (mtpserve/workers/group_links.py). Every process
+applies the same StepPlans and splits each step alike (`at_frontier`): the requests at their frontier
+take the uniform step, the others (prompt chunks) the general path. So every rank knows each tensor's
+shape without being told, and only tensors travel, point to point. Per step, its uniform part first:
 
-Per step, after the target verified:
-  1. target rank 0 -> every drafter: the emitted tokens, [F, 2 + K] (accepted count, then tokens);
-  2. target rank 0 -> module 0's owner: the target hidden rows of the step, [T, H];
-  3. module m's owner -> module m+1's owner, where they differ: m's output rows and the drafts so far;
-  4. the owner of the chain's last module -> every target rank: draft tokens with their top-M proposals,
-     which the target ranks store in their slots for the next verification.
-Target ranks receive (4) after rank 0 answered the scheduler, so drafting overlaps the control path.
+  1. target rank 0 -> every drafter: the packed result [B, 1 + w] (accepted count, window tokens), which
+     each drafter commits to its device state as the target did (length, newest token, penalty counts);
+  2. target rank 0 -> module 0's owner: the rows module 0 reads [B, w, H];
+  3. the uniform chain (mtpserve/workers/uniform_chain.py) runs each module on its owner, which hands the
+     next owner its output rows and the drafts (and proposals) so far;
+  4. the holder of the chain's last step -> every target rank: the drafts [B, k] (with their top-M
+     proposals unless the batch is greedy), which the target ranks store in their slots.
+Then the general part, host-planned as before: the emitted tokens [F, 2 + K], the target hidden rows
+[T, H], the general Drafter's own hand-overs, its drafts. A drafter takes in every input of a step
+before it sends anything, so no two ranks wait on each other. Target ranks receive the drafts after
+rank 0 answered the scheduler, so drafting overlaps the control path.
+
+A drafter's host view of a request stops at its first uniform step: uniform steps advance only the device
+state, which is all the chain reads, and leave a request at its frontier whatever it accepted, so every
+rank still splits later steps alike. Without adaptive speculation (off with a group) nothing sends a
+request back to the general path but its re-admission (preemption, recovery), which brings its tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.attention import LayerKV
-from mtpserve.workers.chain import chain_steps
-from mtpserve.workers.drafter import Drafter, TargetRows, _Chain
+from mtpserve.workers.device import Staging
+from mtpserve.workers.drafter import Drafter, TargetRows
+from mtpserve.workers.group_links import (GroupChainLink, Topology, UniformGroupLink, draft_buffers, recv, send,
+                                          unpack_drafts)
 from mtpserve.workers.kv_cache import layer_pool
+from mtpserve.workers.model_runner import RunnerConfig
+from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.loader import LoadedModel
-from mtpserve.workers.state import CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted
-
-
-@dataclass(frozen=True)
-class Topology:
-    tp: int
-    drafters: int  # G >= 1
-    num_modules: int  # MTP modules in use
-    chain_mode: str
-
-    @property
-    def world(self) -> int:
-        return self.tp + self.drafters
-
-    def owner(self, module: int) -> int:
-        """Global rank of the drafter holding `module` and its KV group."""
-        return self.tp + module % self.drafters
-
-    def holder(self, max_spec: int) -> int:
-        """Who holds the finished chain: the owner of the module of its last step."""
-        return self.owner(chain_steps(max_spec, self.num_modules, self.chain_mode)[-1].module)
-
-    def chain_runs(self, reqs: list[CachedRequest]) -> bool:
-        return self.num_modules > 0 and max((r.num_spec for r in reqs), default=0) > 0
-
-
-def _send(tensors: list[torch.Tensor], dst: int) -> None:
-    for t in tensors:
-        if t.numel():
-            dist.send(t.contiguous(), dst)
-
-
-def _recv(tensors: list[torch.Tensor], src: int) -> list[torch.Tensor]:
-    for t in tensors:
-        if t.numel():
-            dist.recv(t, src)
-    return tensors
+from mtpserve.workers.slot_state import StateDiffs, device_state
+from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, at_frontier, record_emitted,
+                                    subset)
+from mtpserve.workers.uniform_batch import UniformBatch, UniformBatches
+from mtpserve.workers.uniform_chain import UniformChain
+from mtpserve.workers.uniform_step import StepShape, commit
 
 
 def _emitted_width(lay: StepLayout) -> int:
     return int(max((d for d, f in zip(lay.d.tolist(), lay.final) if f), default=0)) + 2
-
-
-def _drafting(reqs: list[CachedRequest], final: list[bool]) -> list[CachedRequest]:
-    return [r for r, f in zip(reqs, final) if f and r.num_spec > 0]
 
 
 class TargetDraftLink:
@@ -80,121 +56,150 @@ class TargetDraftLink:
 
     def __init__(self, topo: Topology, rank: int, top_m: int, device: torch.device) -> None:
         self.topo, self.rank, self.top_m, self.device = topo, rank, top_m, device
-        self._expect: tuple[list[int], int, int] | None = None  # (slots, K, source rank) of pending drafts
+        self.feeds = rank == 0
+        # Drafts due this step, a part at a time: (slots [R] on the device, k, greedy, source rank).
+        self._due: list[tuple[torch.Tensor, int, bool, int]] = []
+
+    def send_uniform(self, packed: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
+                     shape: StepShape) -> None:
+        if self.feeds:
+            for g in range(self.topo.drafters):
+                send([packed], self.topo.tp + g)
+            if shape.chain:
+                send([rows], self.topo.owner(0))
+        if shape.chain:
+            self._due.append((slots, shape.chain, shape.flags.all_greedy, self.topo.holder(shape.chain)))
 
     def send(self, reqs: list[CachedRequest], lay: StepLayout, result: StepResult, rows: TargetRows) -> None:
         runs = self.topo.chain_runs(reqs)
-        if self.rank == 0:
+        if self.feeds:
             if result.req_ids:
                 emitted = _pack_emitted(result, _emitted_width(lay), self.device)
                 for g in range(self.topo.drafters):
-                    _send([emitted], self.topo.tp + g)
+                    send([emitted], self.topo.tp + g)
             if runs:
-                _send([rows.hidden], self.topo.owner(0))
-        drafting = _drafting(reqs, lay.final)
-        self._expect = None
+                send([rows.hidden], self.topo.owner(0))
+        drafting = [r for r, f in zip(reqs, lay.final) if f and r.num_spec > 0]
         if runs and drafting:
-            k = max(r.num_spec for r in drafting)
-            self._expect = ([r.slot for r in drafting], k, self.topo.holder(max(r.num_spec for r in reqs)))
+            slots = torch.tensor([r.slot for r in drafting], device=self.device)
+            k, src = max(r.num_spec for r in drafting), self.topo.holder(max(r.num_spec for r in reqs))
+            self._due.append((slots, k, False, src))
 
     def receive(self, slots: SlotBuffers) -> None:
-        if self._expect is None:
-            return
-        slot_list, k, src = self._expect
-        self._expect = None
-        ids, probs = _recv(_chain_buffers(len(slot_list), k, self.top_m, self.device), src)
-        idx = torch.tensor(slot_list, device=self.device)
-        slots.draft_tokens[idx, :k] = ids[..., 0]
-        slots.q_ids[idx, :k] = ids[..., 1:]
-        slots.q_probs[idx, :k] = probs
-
-
-class GroupChainLink:
-    """The Drafter's view of the group: which modules are here, and how the chain moves between ranks."""
-
-    def __init__(self, topo: Topology, rank: int, hidden: int, dtype: torch.dtype, top_m: int,
-                 device: torch.device) -> None:
-        self.topo, self.rank, self.hidden, self.dtype, self.top_m, self.device = topo, rank, hidden, dtype, top_m, device
-
-    def owns(self, module: int) -> bool:
-        return self.topo.owner(module) == self.rank
-
-    def hand_over(self, to_module: int, nh: torch.Tensor, chain: _Chain) -> None:
-        _send([nh, *_pack_chain(chain)], self.topo.owner(to_module))
-
-    def take_over(self, from_module: int, rows: int, chain: _Chain, j: int) -> torch.Tensor:
-        nh = torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
-        bufs = _chain_buffers(len(chain.drafting), chain.tokens.shape[1], self.top_m, self.device)
-        _, ids, probs = _recv([nh, *bufs], self.topo.owner(from_module))
-        if chain.drafting:
-            chain.adopt(ids[..., 0], ids[..., 1:], probs, j)
-        return nh
-
-    def deliver(self, last_module: int, chain: _Chain) -> None:
-        if chain.drafting:
-            packed = _pack_chain(chain)
-            for target_rank in range(self.topo.tp):
-                _send(packed, target_rank)
+        for idx, k, greedy, src in self._due:
+            slots.put_drafts(idx, *unpack_drafts(recv(draft_buffers(len(idx), k, self.top_m, greedy, self.device),
+                                                      src)))
+        self._due = []
 
 
 class DrafterRunner:
-    """A drafter rank: the target's per-request state (from the same plans and the emitted tokens),
-    the KV groups of the modules it owns, and its part of the chain."""
+    """A drafter rank: the device state a single-process runner keeps for the modules it owns (from the same
+    plans and the target's results), their KV groups, and its part of each step's chain."""
 
-    def __init__(self, model: LoadedModel, config, topo: Topology, rank: int, dtype: torch.dtype,
+    def __init__(self, model: LoadedModel, config: RunnerConfig, topo: Topology, rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        cfg = model.config
+        cfg, modules = model.config, config.num_mtp_modules
         self.config, self.topo, self.rank, self.dtype, self.device = config, topo, rank, dtype, device
         self.hidden = cfg.hidden_size
-        self.slots = SlotBuffers(config.max_num_seqs, config.num_mtp_modules, cfg.hidden_size, cfg.vocab_size,
+        self.slots = SlotBuffers(config.max_num_seqs, modules, cfg.hidden_size, cfg.vocab_size,
                                  config.draft_top_m, dtype, device)
         kv = [_module_pool(cfg, config, dtype, device) if topo.owner(m) == rank else _no_pool(device)
-              for m in range(config.num_mtp_modules)]
+              for m in range(modules)]
+        embed, head = model.target.embed_tokens, model.target.lm_head
         link = GroupChainLink(topo, rank, cfg.hidden_size, dtype, config.draft_top_m, device)
-        self.drafter = Drafter(model.mtp, model.target.embed_tokens, model.target.lm_head, kv, self.slots,
-                               config.block_size, config.chain_mode, config.draft_top_m, cfg.vocab_size, link)
+        self.drafter = Drafter(model.mtp, embed, head, kv, self.slots, config.block_size, config.chain_mode,
+                               config.draft_top_m, cfg.vocab_size, link)
+        self.diffs: StateDiffs | None = None
+        self.chain: UniformChain | None = None  # the uniform step's chain (None: every step takes the general path)
+        if config.uniform_steps:
+            max_len = config.max_model_len or cfg.max_position
+            self.state, self.diffs = device_state(config.max_num_seqs, 1 + modules, max_len, config.block_size,
+                                                  cfg.vocab_size, device)
+            self.chain = UniformChain(model.mtp, embed, head, kv, self.slots, self.state, config.chain_mode,
+                                      config.draft_top_m, modules, UniformGroupLink(topo, rank, config.draft_top_m))
+        self.staging = Staging(device)
+        self.batches = UniformBatches(cfg.vocab_size)
         self.requests: dict[str, CachedRequest] = {}
+        self._device_only: set[str] = set()  # requests whose host view stopped (module docstring)
+        self._last_batch: UniformBatch | None = None
+        self.num_uniform_steps = 0  # steps whose uniform part ran here (tests read it)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> None:
-        apply_plan(self.requests, self.slots, plan, self.config.num_mtp_modules)
+        modules = self.config.num_mtp_modules
+        apply_plan(self.requests, self.slots, plan, modules, self.diffs)
+        if plan.freed_ids or plan.new_requests:
+            self.batches.forget()
+            self._device_only.difference_update(plan.freed_ids)
         reqs = [self.requests[r] for r in plan.req_ids]
         if not reqs:
             return
+        fast = at_frontier(reqs, plan, modules) if self.chain is not None else [False] * len(reqs)
+        uniform = self._take_uniform(*subset(reqs, plan, fast, True)) if any(fast) else None
+        general = self._take_general(*subset(reqs, plan, fast, False)) if not all(fast) else None
+        if uniform is not None:
+            self._run_uniform(*uniform)
+        if general is not None:
+            self.drafter.run(*general)
+
+    def _take_uniform(self, reqs: list[CachedRequest], plan: StepPlan
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StepShape]:
+        """The uniform part's inputs: its slots (with the state diffs: one copy), the packed result and, on
+        module 0's owner, the rows module 0 reads."""
+        batch = self.batches.of(reqs, plan.req_ids)
+        if batch is not self._last_batch:  # a new batch: its requests' host view stops here
+            self._device_only.update(batch.req_ids)
+            self._last_batch = batch
+        shape = StepShape.of(reqs, plan, batch.flags, self.config.num_mtp_modules)
+        slots = self.state.upload(self.staging, batch.slots, self.diffs)
+        packed = recv([torch.empty(len(reqs), 1 + shape.window, dtype=torch.long, device=self.device)], 0)[0]
+        rows = None
+        if shape.chain and self.topo.owner(0) == self.rank:
+            rows = recv([torch.empty(len(reqs), shape.window, self.hidden, dtype=self.dtype, device=self.device)], 0)[0]
+        return slots, packed, rows, shape
+
+    def _run_uniform(self, slots: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor | None,
+                     shape: StepShape) -> None:
+        """Commit the target's result to the device state, then this rank's part of the chain."""
+        accepted, tokens = packed[:, 0], packed[:, 1:]
+        seq_len = self.state.seq_len[slots]
+        frontier = commit(self.state, self.slots, slots, seq_len, accepted, tokens, shape.flags)
+        if shape.chain:
+            self.chain(slots, seq_len, frontier, accepted, tokens, rows, shape, self.state.sampling(slots, shape.flags))
+        self.num_uniform_steps += 1
+
+    def _take_general(self, reqs: list[CachedRequest], plan: StepPlan
+                      ) -> tuple[list[CachedRequest], list[bool], TargetRows] | None:
+        """The general part's inputs: the emitted tokens (recorded at once) and, on module 0's owner, the target
+        hidden rows; None when no chain runs."""
+        if self._device_only.intersection(plan.req_ids):
+            raise RuntimeError("a request that took uniform steps came back to the general path without being "
+                               "re-admitted: this drafter rank no longer knows its tokens")
         lay = StepLayout.of(reqs, plan)
         sampled = [r for r, f in zip(reqs, lay.final) if f]
         if sampled:
             buf = torch.empty(len(sampled), _emitted_width(lay), dtype=torch.long, device=self.device)
-            rows = _recv([buf], 0)[0].tolist()
-            record_emitted(sampled, [row[1 : row[0] + 2] for row in rows], self.slots)
+            rows = recv([buf], 0)[0].tolist()
+            record_emitted(sampled, [row[1 : row[0] + 2] for row in rows], self.slots, self.diffs)
         lay.advance_unfinished(reqs)
         if not self.topo.chain_runs(reqs):
-            return
+            return None
         hidden = None
         if self.topo.owner(0) == self.rank:
             total = int((lay.n + lay.d).sum())
-            hidden = _recv([torch.empty(total, self.hidden, dtype=self.dtype, device=self.device)], 0)[0]
-        self.drafter.run(reqs, lay.final, TargetRows(hidden, lay.first_row, lay.starts))
+            hidden = recv([torch.empty(total, self.hidden, dtype=self.dtype, device=self.device)], 0)[0]
+        return reqs, lay.final, TargetRows(hidden, lay.first_row, lay.starts)
 
     def finish_step(self) -> None:
         pass
 
 
-def _module_pool(cfg, config, dtype: torch.dtype, device: torch.device) -> LayerKV:
+def _module_pool(cfg: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device) -> LayerKV:
     return layer_pool(cfg, config.num_blocks, config.block_size, dtype, device)
 
 
 def _no_pool(device: torch.device) -> LayerKV:
     return LayerKV(torch.empty(0, device=device), torch.empty(0, device=device))
-
-
-def _pack_chain(chain: _Chain) -> list[torch.Tensor]:
-    return [torch.cat((chain.tokens[..., None], chain.q_ids), dim=-1), chain.q_probs]
-
-
-def _chain_buffers(rows: int, k: int, top_m: int, device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(rows, k, 1 + top_m, dtype=torch.long, device=device),
-            torch.empty(rows, k, top_m, dtype=torch.float32, device=device)]
 
 
 def _pack_emitted(result: StepResult, width: int, device: torch.device) -> torch.Tensor:

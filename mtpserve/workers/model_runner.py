@@ -5,9 +5,10 @@ on a GPU (mtpserve/workers/uniform_step.py, docs/design.md §8). Other steps (pr
 run the general path: host-planned layouts, the target eagerly, then the host-planned drafter.
 Either way the step's one device-to-host copy is its packed result.
 
-With a drafter group (docs/design.md §2) the chain runs in other processes: a `RemoteDrafts` link hands
-them the verified tokens and hidden states, and `finish_step` takes their drafts back into the slots;
-those replicas take the general path, with CUDA graphs for the target forward of decode steps.
+With a drafter group (docs/design.md §2) the chain runs in other processes, behind a `RemoteDrafts`
+link: a uniform step (graphed on a GPU, without its chain) hands the group its packed result and the
+rows module 0 reads, a general step its emitted tokens and hidden states, and `finish_step` takes the
+group's drafts back into the slots. Prompt chunks then take the general path (no prefill steps here).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.batch import build_metadata
 from mtpserve.workers.cuda_graphs import TargetGraphs
@@ -32,10 +32,10 @@ from mtpserve.workers.prefill_step import PrefillStep
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import verify_seeded
 from mtpserve.workers.sampling import apply_penalties, argmax_rows, logprobs_topn, to_probs
-from mtpserve.workers.slot_state import DeviceState, SamplingFlags, StateDiffs
-from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, record_emitted,
-                                    sampling_tensors)
-from mtpserve.workers.uniform_batch import UniformBatches
+from mtpserve.workers.slot_state import SamplingFlags, StateDiffs, device_state
+from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, at_frontier, record_emitted,
+                                    sampling_tensors, subset)
+from mtpserve.workers.uniform_batch import UniformBatch, UniformBatches
 from mtpserve.workers.uniform_graphs import UniformGraphs
 from mtpserve.workers.uniform_step import StepShape, UniformStep
 
@@ -63,7 +63,12 @@ class RunnerConfig:
 class RemoteDrafts(Protocol):
     """The drafter group as the target ranks see it (mtpserve/workers/drafter_group.py)."""
 
+    feeds: bool  # this rank sends the group its inputs (rank 0)
+
     def send(self, reqs: list[CachedRequest], lay: StepLayout, result: StepResult, rows: TargetRows) -> None: ...
+
+    def send_uniform(self, packed: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
+                     shape: StepShape) -> None: ...
 
     def receive(self, slots: SlotBuffers) -> None: ...
 
@@ -92,18 +97,19 @@ class ModelRunner:
         self.staging = Staging(device)  # the per-step copies both ways, through reused pinned buffers
         self.uniform: UniformGraphs | None = None
         self.prefill: PrefillGraphs | None = None
-        if remote is None and config.uniform_steps:
-            groups, max_blocks = 1 + local_modules, -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // config.block_size)
-            state = DeviceState(config.max_num_seqs, groups, max_blocks, config.block_size, self.vocab, device)
-            self.diffs = StateDiffs(config.max_num_seqs, groups, max_blocks, config.block_size)
-            step = UniformStep(model, self.kv, self.slots, state, config.chain_mode, config.draft_top_m, local_modules)
+        self._device_slots: tuple[UniformBatch | None, torch.Tensor | None] = (None, None)
+        if config.uniform_steps:
+            state, self.diffs = device_state(config.max_num_seqs, 1 + local_modules, max_len, config.block_size,
+                                             self.vocab, device)
+            step = UniformStep(model, self.kv, self.slots, state, config.chain_mode, config.draft_top_m, local_modules,
+                               handoff=remote is not None and remote.feeds)
             self.uniform = UniformGraphs(step, state, self.staging, config.max_num_seqs, device, graphs,
                                          config.pad_uniform_steps)
-            if config.prefill_step_rows > 0:
+            if config.prefill_step_rows > 0 and remote is None:  # a prefill step runs the chain in process
                 prefill = PrefillStep(model, self.kv, self.slots, state, step, local_modules, config.chain_mode)
                 self.prefill = PrefillGraphs(prefill, state, self.staging, config.max_num_seqs, config.prefill_step_rows,
                                              local_modules, device, graphs)
-        # Without uniform steps (a drafter group holds the chain), graphs cover the target forward only.
+        # Without uniform steps, graphs cover the target forward only.
         self.graphs = TargetGraphs(model.target, self.kv.target, config.max_num_seqs, config.block_size, max_len,
                                    device) if graphs and self.uniform is None else None
         self.num_captures = 0  # CUDA-graph captures so far (in the middle of serving: a shape seen first)
@@ -116,6 +122,11 @@ class ModelRunner:
                                       for k in config.capture_at_start for greedy in (True, False)])
             if self.prefill is not None:
                 self.prefill.capture_all(list(config.capture_at_start))
+
+    @property
+    def num_uniform_steps(self) -> int:
+        """Steps whose uniform part ran (tests read it)."""
+        return self.uniform.runs if self.uniform is not None else 0
 
     def on_capture(self, listener: Callable[[], None]) -> None:
         """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and
@@ -147,12 +158,12 @@ class ModelRunner:
             return self._launch_uniform(reqs, plan)
         # Prefill chunks joined: the requests at their frontier still take the uniform step, aligned
         # chunks a prefill step, and only the rest the general path (decode never waits on host planning).
-        uniform = self._launch_uniform(*_subset(reqs, plan, fast, True)) if any(fast) else None
-        reqs, plan = _subset(reqs, plan, fast, False)
+        uniform = self._launch_uniform(*subset(reqs, plan, fast, True)) if any(fast) else None
+        reqs, plan = subset(reqs, plan, fast, False)
         chunks = self.prefill.takes(reqs, plan) if self.prefill is not None else [False] * len(reqs)
-        result = self._run_prefill(*_subset(reqs, plan, chunks, True)) if any(chunks) else StepResult()
+        result = self._run_prefill(*subset(reqs, plan, chunks, True)) if any(chunks) else StepResult()
         if not all(chunks):
-            result = _merged(result, self._run_general(*_subset(reqs, plan, chunks, False)))
+            result = _merged(result, self._run_general(*subset(reqs, plan, chunks, False)))
         return result if uniform is None else _merged(self.wait(uniform), result)
 
     def wait(self, handle: "PendingStep | StepResult") -> StepResult:
@@ -173,9 +184,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only for honest phase timing; the step ends here anyway
         result.target_seconds, result.draft_seconds = t1 - t0, time.perf_counter() - t1
-        if self.diffs is not None:  # the device-resident state follows the tokens this step produced
-            for req_id in result.req_ids:
-                self.diffs.tokens(self.requests[req_id].slot, self.requests[req_id].token_ids)
         return result
 
     def _run_prefill(self, reqs: list[CachedRequest], plan: StepPlan) -> StepResult:
@@ -210,27 +218,26 @@ class ModelRunner:
         return replace(plan, num_tokens=num_tokens)  # the engine's plan stays as it made it
 
     def _at_frontier(self, reqs: list[CachedRequest], plan: StepPlan) -> list[bool]:
-        """Which requests a uniform step can take: one verified token to feed, the rest drafts, and past
-        the first `modules` positions (module m's rows start at N - m - 1)."""
         if self.uniform is None:
             return [False] * len(reqs)
-        modules = self.config.num_mtp_modules
-        return [n == 1 and r.num_computed == len(r.token_ids) - 1 and len(r.token_ids) > modules
-                and r.forced_token is None for r, n in zip(reqs, plan.num_tokens)]
+        return at_frontier(reqs, plan, self.config.num_mtp_modules)
 
     def _launch_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> "PendingStep":
         t0 = time.perf_counter()
         batch = self.batches.of(reqs, plan.req_ids)
-        specs = plan.num_spec or [r.num_spec for r in reqs]
-        chain = max(specs) if self.config.num_mtp_modules else 0
-        # The window is padded to the chain (rows past a request's own drafts are masked): a step that verifies
-        # fewer drafts than it makes (k just rose, or max_tokens is near) then reuses the graph captured at
-        # start for its k instead of capturing one of its own in the middle of serving.
-        window = 1 + max(max(plan.num_drafts), chain)
-        shape = StepShape(window, chain, batch.flags)
+        shape = StepShape.of(reqs, plan, batch.flags, self.config.num_mtp_modules)
         packed, raw = self.uniform.run(batch.slots, np.asarray(plan.num_drafts, dtype=np.int64), shape, self.diffs)
+        if self.remote is not None:  # the group drafts from this step's result (sent outside any graph)
+            rows = self.uniform.step.handed_off(len(reqs), shape.window) if self.remote.feeds else None
+            self.remote.send_uniform(packed, rows, self._slots_on_device(batch), shape)
         host, done = self._stage(packed, raw, batch.top_logprobs)
         return PendingStep(reqs, shape.window - 1, host, done, t0, self.uniform.began)
+
+    def _slots_on_device(self, batch: UniformBatch) -> torch.Tensor:
+        """The batch's slots as a device tensor (where the group's drafts go), copied only when the batch changed."""
+        if self._device_slots[0] is not batch:
+            self._device_slots = (batch, to_device(batch.slots, torch.long, self.device))
+        return self._device_slots[1]
 
     def _finish_uniform(self, p: "PendingStep") -> StepResult:
         """Read a uniform step's result (the step's one wait for the device) and advance the host state."""
@@ -304,7 +311,7 @@ class ModelRunner:
         _force_resumed(f_reqs, tokens)
         host = self._to_host(f_reqs, torch.cat((accepted[:, None], tokens), dim=1), raw)  # the step's one sync
         result = result_from_rows(f_reqs, host, k)
-        record_emitted(f_reqs, result.token_ids, self.slots)
+        record_emitted(f_reqs, result.token_ids, self.slots, self.diffs)  # the device-resident state follows
         return result
 
     def _to_host(self, reqs: list[CachedRequest], packed: torch.Tensor, raw: torch.Tensor) -> list[list[float]]:
@@ -360,15 +367,6 @@ def _force_resumed(reqs: list[CachedRequest], tokens: torch.Tensor) -> None:
     if forced:  # rare (after preemption or recovery): one small host-to-device copy
         rows, values = zip(*forced)
         tokens[list(rows), 0] = torch.tensor(values, dtype=tokens.dtype, device=tokens.device)
-
-
-def _subset(reqs: list[CachedRequest], plan: StepPlan, mask: list[bool], keep: bool
-            ) -> tuple[list[CachedRequest], StepPlan]:
-    """The requests (and their part of the plan) whose mask entry equals keep."""
-    idx = [i for i, m in enumerate(mask) if m == keep]
-    return [reqs[i] for i in idx], StepPlan(req_ids=[plan.req_ids[i] for i in idx],
-                                            num_tokens=[plan.num_tokens[i] for i in idx],
-                                            num_drafts=[plan.num_drafts[i] for i in idx])
 
 
 def _merged(a: StepResult, b: StepResult) -> StepResult:

@@ -24,8 +24,9 @@ import torch
 from mtpserve.kernels import use_fused
 from mtpserve.kernels.chain_layout_ref import ChainLayout, chain_layout_ref
 from mtpserve.kernels.window_metadata_ref import window_metadata_ref
-from mtpserve.sampling_params import SamplingParams
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from mtpserve.workers.attention import AttentionMetadata
+from mtpserve.workers.device import Staging
 from mtpserve.workers.sampling import SamplingTensors, top_k_cap
 
 # Rows of `DeviceState.ints`.
@@ -76,6 +77,14 @@ class DeviceState:
             use_min_p=flags.min_p, all_greedy=flags.all_greedy, top_k_cap=flags.top_k_cap or None,
         )
 
+    def upload(self, staging: Staging, head: np.ndarray, diffs: "StateDiffs") -> torch.Tensor:
+        """One pinned host-to-device copy of `head` and the diffs, which are scattered here -> head on the device
+        (valid until the staging's next upload)."""
+        host, counts = diffs.pack(head)
+        packed = staging.upload(host)
+        self.apply(packed[len(head) :], counts)
+        return packed[: len(head)]
+
     def apply(self, packed: torch.Tensor, counts: tuple[int, int, int, int]) -> None:
         """Scatter a packed diff (see StateDiffs.pack) into the state; counts are the section sizes."""
         at = 0
@@ -85,6 +94,15 @@ class DeviceState:
                 idx, val = packed[at : at + n], packed[at + n : at + 2 * n]
                 flat.view(-1)[idx] = val.view(torch.float64).float() if float_bits else val.to(flat.dtype)
             at += 2 * n
+
+
+def device_state(num_slots: int, num_groups: int, max_len: int, block_size: int, vocab: int,
+                 device: torch.device) -> tuple[DeviceState, "StateDiffs"]:
+    """A runner's device-resident state and the diffs that feed it; block tables reach max_len plus the
+    furthest a chain drafts past it."""
+    max_blocks = -(-(max_len + 2 * MAX_SPECULATIVE_TOKENS) // block_size)
+    return (DeviceState(num_slots, num_groups, max_blocks, block_size, vocab, device),
+            StateDiffs(num_slots, num_groups, max_blocks, block_size))
 
 
 def window_rows(state: DeviceState, group: int, slots: torch.Tensor, first_pos: torch.Tensor, q: int,

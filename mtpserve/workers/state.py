@@ -72,6 +72,16 @@ class SlotBuffers:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def put_drafts(self, slots: torch.Tensor, drafts: torch.Tensor, q_ids: torch.Tensor | None = None,
+                   q_probs: torch.Tensor | None = None) -> None:
+        """A step's drafts [B, k] for the next verification, with their proposals [B, k, M] unless every row is
+        greedy (greedy verification never reads them)."""
+        k = drafts.shape[1]
+        self.draft_tokens[slots, :k] = drafts
+        if q_ids is not None:
+            self.q_ids[slots, :k] = q_ids
+            self.q_probs[slots, :k] = q_probs
+
     def penalty_state(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._counts[slots], self._prompt_mask[slots]
 
@@ -146,13 +156,36 @@ def record_admission(diffs: StateDiffs, req: CachedRequest, vocab: int) -> None:
         diffs.float_field(row, slot, value)
 
 
-def record_emitted(reqs: list[CachedRequest], emitted: list[list[int]], slots: SlotBuffers) -> None:
-    """Append each request's verified tokens (accepted drafts + one sampled) and count them for penalties."""
+def record_emitted(reqs: list[CachedRequest], emitted: list[list[int]], slots: SlotBuffers,
+                   diffs: StateDiffs | None = None) -> None:
+    """Append each request's verified tokens (accepted drafts + one sampled) and count them for penalties.
+
+    With `diffs`, the device-resident state follows (a general step's tokens: its new length and newest token).
+    """
     for r, tokens in zip(reqs, emitted):
         r.token_ids += tokens
         r.forced_token = None
         r.num_computed = len(r.token_ids) - 1
+        if diffs is not None:
+            diffs.tokens(r.slot, r.token_ids)
     slots.count_tokens([r.slot for r, t in zip(reqs, emitted) for _ in t], [x for t in emitted for x in t])
+
+
+def at_frontier(reqs: list[CachedRequest], plan: StepPlan, num_modules: int) -> list[bool]:
+    """Which requests a uniform step can take: one verified token to feed, the rest drafts, and past the first
+    `num_modules` positions (module m's rows start at N - m - 1). A uniform step keeps a request so: after
+    it the request is again at its frontier, whatever it accepted."""
+    return [n == 1 and r.num_computed == len(r.token_ids) - 1 and len(r.token_ids) > num_modules
+            and r.forced_token is None for r, n in zip(reqs, plan.num_tokens)]
+
+
+def subset(reqs: list[CachedRequest], plan: StepPlan, mask: list[bool], keep: bool
+           ) -> tuple[list[CachedRequest], StepPlan]:
+    """The requests (and their part of the plan) whose mask entry equals keep."""
+    idx = [i for i, m in enumerate(mask) if m == keep]
+    return [reqs[i] for i in idx], StepPlan(req_ids=[plan.req_ids[i] for i in idx],
+                                            num_tokens=[plan.num_tokens[i] for i in idx],
+                                            num_drafts=[plan.num_drafts[i] for i in idx])
 
 
 @dataclass

@@ -7,6 +7,11 @@ to verify, with shapes fixed by (batch, window, chain length): no host lists, no
 graph per shape (mtpserve/workers/uniform_graphs.py). Every request gets `window` target rows; rows
 past its own drafts compute garbage that is never verified and never written to a pool it does not
 own (its block capacity bounds every KV write).
+
+With a drafter group (docs/design.md §2) the chain runs on the drafter ranks: the step then has no chain
+here and leaves the rows module 0 reads in a persistent `handoff` buffer (a graph's output must stay at
+one address), which rank 0 sends to the group after the step, with the packed result
+(mtpserve/workers/drafter_group.py).
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.boundary.messages import StepPlan
+from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
+
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import greedy_accepted, verify_seeded
 from mtpserve.workers.sampling import SamplingTensors, apply_penalties, argmax_rows, to_probs
 from mtpserve.workers.slot_state import DeviceState, SamplingFlags, window_rows
-from mtpserve.workers.state import SlotBuffers
+from mtpserve.workers.state import CachedRequest, SlotBuffers
 from mtpserve.workers.uniform_chain import UniformChain
 
 
@@ -32,14 +40,29 @@ class StepShape:
     chain: int  # drafts to produce: the largest num_spec in the batch (0: no chain)
     flags: SamplingFlags
 
+    @staticmethod
+    def of(reqs: list[CachedRequest], plan: StepPlan, flags: SamplingFlags, num_modules: int) -> "StepShape":
+        """The shape of a uniform step over reqs (every process of a replica derives the same one)."""
+        specs = plan.num_spec or [r.num_spec for r in reqs]
+        chain = max(specs) if num_modules else 0
+        # The window is padded to the chain (rows past a request's own drafts are masked): a step that verifies
+        # fewer drafts than it makes (k just rose, or max_tokens is near) then reuses the graph captured at
+        # start for its k instead of capturing one of its own in the middle of serving.
+        return StepShape(1 + max(max(plan.num_drafts), chain), chain, flags)
+
 
 class UniformStep:
     def __init__(self, model: LoadedModel, kv: KVPools, buffers: SlotBuffers, state: DeviceState,
-                 chain_mode: str, top_m: int, num_modules: int) -> None:
+                 chain_mode: str, top_m: int, num_modules: int, handoff: bool = False) -> None:
         self.target, self.buffers, self.state, self.kv = model.target, buffers, state, kv
         self.chain = UniformChain(model.mtp, model.target.embed_tokens, model.target.lm_head, kv.mtp, buffers,
                                   state, chain_mode, top_m, num_modules) if num_modules else None
         self.hidden_pre_norm = model.config.mtp.hidden_pre_norm
+        self.handoff: torch.Tensor | None = None  # flat [batch * window * H] rows for a drafter group's module 0
+        if handoff:
+            cfg = model.config
+            rows = state.pad_slot * (1 + MAX_SPECULATIVE_TOKENS) * cfg.hidden_size  # the largest batch and window
+            self.handoff = torch.empty(rows, dtype=buffers.carry.dtype, device=state.device)
 
     def __call__(self, slots: torch.Tensor, num_drafts: torch.Tensor, shape: StepShape
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +78,17 @@ class UniformStep:
         raw = self.target.head_logits(normed, fp32=not shape.flags.all_greedy or shape.flags.penalties)
         samp = st.sampling(slots, shape.flags)
         tokens, accepted = self.verify(raw, samp, slots, ids[:, 1:], num_drafts, seq_len, shape.flags)
-        frontier = self._commit(slots, seq_len, accepted, tokens, shape.flags)
+        frontier = commit(st, self.buffers, slots, seq_len, accepted, tokens, shape.flags)
+        rows = (hidden if self.hidden_pre_norm else normed).view(len(slots), w, -1)  # what module 0 reads
         if self.chain is not None and shape.chain > 0:
-            rows = hidden if self.hidden_pre_norm else normed
-            self.chain(slots, seq_len, frontier, accepted, tokens, rows.view(len(slots), w, -1), shape, samp)
+            self.chain(slots, seq_len, frontier, accepted, tokens, rows, shape, samp)
+        if self.handoff is not None:
+            self.handoff[: rows.numel()].view(rows.shape).copy_(rows)
         return torch.cat((accepted[:, None], tokens), dim=1), raw
+
+    def handed_off(self, batch: int, window: int) -> torch.Tensor:
+        """The last step's module-0 rows of its first `batch` requests [batch, window, H] (valid until the next)."""
+        return self.handoff[: batch * window * self.buffers.carry.shape[-1]].view(batch, window, -1)
 
     def verify(self, raw: torch.Tensor, samp: SamplingTensors, slots: torch.Tensor, drafts: torch.Tensor,
                 num_drafts: torch.Tensor, seq_len: torch.Tensor, flags: SamplingFlags
@@ -88,15 +117,16 @@ class UniformStep:
         rows = torch.arange(batch, device=raw.device).repeat_interleave(k + 1)
         return apply_penalties(raw, window, prompt_mask[rows], samp.take(rows))
 
-    def _commit(self, slots: torch.Tensor, seq_len: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
-                flags: SamplingFlags) -> torch.Tensor:
-        """Advance the verified state on the device; sampler state moves on accepted tokens only. Returns the
-        verified tokens after the step [B]."""
-        st, rows = self.state, torch.arange(len(slots), device=slots.device)
-        frontier = seq_len + accepted + 1
-        st.seq_len[slots] = frontier
-        st.last_token[slots] = tokens[rows, accepted]
-        if flags.penalties:
-            kept = (torch.arange(tokens.shape[1], device=slots.device)[None, :] <= accepted[:, None]).float()
-            self.buffers.add_counts(slots, tokens, kept)
-        return frontier
+
+def commit(state: DeviceState, buffers: SlotBuffers, slots: torch.Tensor, seq_len: torch.Tensor,
+           accepted: torch.Tensor, tokens: torch.Tensor, flags: SamplingFlags) -> torch.Tensor:
+    """Advance the verified state on the device (every rank that holds it, from the same packed result); sampler
+    state moves on accepted tokens only. Returns the verified tokens after the step [B]."""
+    rows = torch.arange(len(slots), device=slots.device)
+    frontier = seq_len + accepted + 1
+    state.seq_len[slots] = frontier
+    state.last_token[slots] = tokens[rows, accepted]
+    if flags.penalties:
+        kept = (torch.arange(tokens.shape[1], device=slots.device)[None, :] <= accepted[:, None]).float()
+        buffers.add_counts(slots, tokens, kept)
+    return frontier

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from mtpserve.boundary.channel import Channel, ChannelClosed
 from mtpserve.errors import CheckpointError
 from mtpserve.workers.heap import freeze_startup_heap
-from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink, Topology
+from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink
+from mtpserve.workers.group_links import Topology
 from mtpserve.workers.model_runner import ModelRunner, RunnerConfig
 from mtpserve.workers.models.loader import CheckpointLoader, ModelSource, load_model
 from mtpserve.workers.tensor_parallel import TPGroup, shard_model
@@ -93,6 +94,9 @@ class Worker:
                     return
                 if kind == "fault":
                     _inject(plan)
+                    continue
+                if kind == "counters":  # tests: which path this rank's steps took
+                    ch.send(("counters", {"uniform_steps": runner.num_uniform_steps}))
                     continue
                 if doomed and plan.req_ids:
                     os._exit(17)
