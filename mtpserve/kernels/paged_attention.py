@@ -206,6 +206,7 @@ def one_pass_block_n(num_reqs: int, num_kv_heads: int, head_dim: int, sm_count: 
         return 32
     programs = num_reqs * num_kv_heads
     wide = 2 * 2 * 128 * head_dim * 2  # stages x (K, V) x positions x head_dim x 2 bytes: 128 KB
+    # (+ 32 KB: the query tile and the compiler's own buffers)
     if 1 < window <= 16 and programs <= 2 * sm_count and head_dim == 128 and shared_memory >= wide + (32 << 10):
         return 128
     fits = _PROGRAMS_PER_SM_AT_64 * (128 // max(head_dim, 16)) * sm_count
