@@ -22,7 +22,6 @@ import torch
 
 from mtpserve.boundary.messages import StepPlan
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS
-
 from mtpserve.workers.kv_cache import KVPools
 from mtpserve.workers.models.loader import LoadedModel
 from mtpserve.workers.rejection import greedy_accepted, verify_seeded
