@@ -31,13 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--requests", type=int, default=0, help="requests in all (closed loop); default: concurrency")
     p.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, num_speculative_tokens=args.k,
                                     max_num_seqs=max(args.concurrency, 1)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
 
     def run(tag: str) -> int:
         """A closed loop: `concurrency` requests in flight, a finished one replaced at once, --requests in all."""
