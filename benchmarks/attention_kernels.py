@@ -5,7 +5,7 @@ no RESULTS section).
     python benchmarks/attention_kernels.py [--cases 64x1x1024,32x4x8192] [--heads 32 --kv-heads 8 --head-dim 128]
 
 Per case (batch x window x context) it times the one-pass kernel with 32-, 64- and 128-position K/V tiles
-and the split kernel at several split counts (merging in its last program, and with the separate merge kernel), each as a CUDA graph of --calls calls cycling over --layers
+and the split kernel at several split counts, each as a CUDA graph of --calls calls cycling over --layers
 layer caches (so that no call finds its KV in the L2, as in a step), and prints microseconds per call and
 the share of the copy bandwidth that the KV bytes alone would take. `default` marks what the attention
 backend picks for that shape (workers/attention.py). Session K's run 88 chose the one-pass tile from it
@@ -57,8 +57,6 @@ def variants(q: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, tables:
     for s in splits:
         out[f"split {s}"] = lambda k, v, s=s: paged_attention_split(q, k, v, qsl, seq_lens, tables, window, seq,
                                                                      scale, num_splits=s)
-        out[f"split {s} merge-kernel"] = lambda k, v, s=s: paged_attention_split(
-            q, k, v, qsl, seq_lens, tables, window, seq, scale, num_splits=s, fused_merge=False)
     return out
 
 

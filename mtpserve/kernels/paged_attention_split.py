@@ -5,10 +5,7 @@ streams a long context alone: at batch 1 an 8-KV-head model runs 8 programs per 
 request's context is cut into `num_splits` ranges of whole tiles; a program attends its request's
 whole query window (every query head of one KV head packed into the M dimension, as in
 paged_attention.py) over one range and writes an unnormalised partial result with its running max
-and sum (fp32, log2 units). The program that finishes last among its request's splits (a per-(request, KV
-head) arrival counter, reset by that program) merges them into the output: at batch 1 a separate
-merge kernel cost a launch per layer (2.8 us of the split kernel's 6.3, H100, session M), about as
-much as the merging itself. `fused_merge=False` keeps the second kernel (benchmarks compare the two).
+and sum (fp32, log2 units); a second kernel merges the splits of every (token, head).
 
 Drop-in for `paged_attention` (same arguments and semantics) for batches whose requests each bring at
 most MAX_WINDOW queries. The split count is chosen on the host from the batch shape and the context
@@ -31,12 +28,12 @@ _PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _split_kernel(
-    acc_ptr, m_ptr, l_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, out_ptr, arrived_ptr,
+    acc_ptr, m_ptr, l_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale,
     stride_at, stride_as, stride_ah, stride_mt, stride_ms, stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -78,42 +75,6 @@ def _split_kernel(
     ml_off = row_off * stride_mt + part * stride_ms + head
     tl.store(m_ptr + ml_off, m_i, mask=row_ok)
     tl.store(l_ptr + ml_off, l_i, mask=row_ok)
-    if FUSED_MERGE:
-        # Every thread's partial stores come before the one arrival (the barrier), and the arrival's release
-        # makes them visible to the program that arrives last; its acquire orders its loads after all of them.
-        tl.debug_barrier()
-        counter = arrived_ptr + req * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            _merge_rows(out_ptr, acc_ptr, m_ptr, l_ptr, row_off, head, row_ok, stride_ot, stride_oh,
-                        stride_at, stride_as, stride_ah, stride_mt, stride_ms, NUM_SPLITS, BLOCK_M, HEAD_DIM)
-            tl.store(counter, 0)  # ready for the next layer's call (and the next graph replay)
-
-
-@triton.jit
-def _merge_rows(out_ptr, acc_ptr, m_ptr, l_ptr, row_off, head, row_ok, stride_ot, stride_oh,
-                stride_at, stride_as, stride_ah, stride_mt, stride_ms,
-                NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The M tile's rows (query, head) merged over every split's partial, written to out."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_all = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_all = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
-        ml_off = row_off * stride_mt + s * stride_ms + head
-        # .cg: read from L2, where the other programs' partials are (never from this SM's L1)
-        m_s = tl.load(m_ptr + ml_off, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-        l_s = tl.load(l_ptr + ml_off, mask=row_ok, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(acc_ptr + row_off[:, None] * stride_at + s * stride_as + head[:, None] * stride_ah
-                      + offs_d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_all, m_s)
-        old, new = tl.exp2(m_all - m_new), tl.exp2(m_s - m_new)
-        acc = acc * old[:, None] + a_s * new[:, None]
-        l_all = l_all * old + l_s * new
-        m_all = m_new
-    out = acc / tl.where(row_ok, l_all, 1.0)[:, None]  # every real query sees position 0: l > 0
-    tl.store(out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -174,7 +135,6 @@ def paged_attention_split(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_stages: int = 2,  # K/V tiles in flight per program
-    fused_merge: bool = True,  # the last split of each (request, KV head) merges (else a merge kernel)
 ) -> torch.Tensor:  # [T, H, D], q's dtype
     """Causal attention of every query over its request's paged context, the context split across programs."""
     check_paged_inputs(q, k_cache, v_cache)
@@ -201,19 +161,15 @@ def paged_attention_split(
     upcast = _INTERPRETED and q.dtype != torch.float32  # see paged_attention.py
     if upcast:
         precision = "ieee"
-    arrived = _arrival_counters(q.device, num_reqs * num_kv_heads) if fused_merge else acc
     _split_kernel[(num_reqs, num_kv_heads, num_splits)](
         acc, stats[0], stats[1], q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale * _LOG2E,
-        out, arrived,
         acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(1), stats.stride(2), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE=page,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast, FUSED_MERGE=fused_merge,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast,
         num_warps=4 if block_m <= 64 else 8, num_stages=num_stages,
     )
-    if fused_merge:
-        return out
     _merge_kernel[(num_tokens, num_heads)](
         out, acc, stats[0], stats[1],
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(1), stats.stride(2),
@@ -221,22 +177,3 @@ def paged_attention_split(
         num_warps=2 if head_dim <= 64 else 4,
     )
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """[>= n] int32 zeros that every call leaves at zero (the last program of each group resets its own).
-
-    Kept per device and made outside graph capture (the warm-up runs before a capture size them), so
-    every call and every replay shares them; the stream orders the calls. A capture that needs more than
-    the warm-up made gets counters of its own, zeroed inside the graph on every replay.
-    """
-    have = _COUNTERS.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return _COUNTERS[device]

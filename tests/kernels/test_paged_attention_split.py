@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtpserve.kernels.paged_attention_ref import paged_attention_ref
-from mtpserve.kernels.paged_attention_split import _COUNTERS, MAX_WINDOW, num_splits_for
+from mtpserve.kernels.paged_attention_split import MAX_WINDOW, num_splits_for
 from tests.kernels.test_paged_attention import TOLERANCE, make_batch
 
 # (context before this step, queries this step) per request, plus the head layout.
@@ -31,13 +31,12 @@ def _batch(case: str, dtype: torch.dtype, device: torch.device):
                       seed=list(CASES).index(case), strided_q=case == "verify-windows").to(device)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits", [1, 3, 8], ids=["1-split", "3-splits", "8-splits"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_split_kernel_matches_reference(kernels, case, splits, dtype, fused):
+def test_split_kernel_matches_reference(kernels, case, splits, dtype):
     b = _batch(case, dtype, kernels.device)
-    out = kernels.paged_attention_split(*b.args(), num_splits=splits, block_n=16, fused_merge=fused)
+    out = kernels.paged_attention_split(*b.args(), num_splits=splits, block_n=16)
     ref = paged_attention_ref(*b.args())
     assert out.dtype == dtype and out.shape == b.q.shape
     tol = TOLERANCE[dtype]
@@ -49,18 +48,6 @@ def test_split_kernel_chooses_its_own_splits(kernels):
     b = _batch("decode-g4", torch.float32, kernels.device)
     torch.testing.assert_close(kernels.paged_attention_split(*b.args()), paged_attention_ref(*b.args()),
                                atol=1e-5, rtol=1e-5)
-
-
-def test_the_last_split_merges_and_leaves_the_counters_at_zero(kernels):
-    """Each (request, KV head) counts its splits' arrivals; the last one merges and resets the count, so a
-    second call (the next layer, the next graph replay) starts from zero and gives the same result."""
-    b = _batch("verify-windows", torch.float32, kernels.device)
-    first = kernels.paged_attention_split(*b.args(), num_splits=3, block_n=16)
-    counters = _COUNTERS[b.q.device]
-    assert counters.numel() >= 5 * 2 and not counters.any()
-    torch.testing.assert_close(kernels.paged_attention_split(*b.args(), num_splits=3, block_n=16), first,
-                               atol=0, rtol=0)
-    assert not counters.any()
 
 
 def test_split_kernel_refuses_long_windows(kernels):
