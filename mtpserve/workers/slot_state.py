@@ -23,6 +23,7 @@ import torch
 
 from mtpserve.kernels import use_fused
 from mtpserve.kernels.chain_layout_ref import ChainLayout, chain_layout_ref
+from mtpserve.kernels.state_scatter_ref import state_scatter_ref
 from mtpserve.kernels.window_metadata_ref import window_metadata_ref
 from mtpserve.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from mtpserve.workers.attention import AttentionMetadata
@@ -87,13 +88,12 @@ class DeviceState:
 
     def apply(self, packed: torch.Tensor, counts: tuple[int, int, int, int]) -> None:
         """Scatter a packed diff (see StateDiffs.pack) into the state; counts are the section sizes."""
-        at = 0
-        for n, flat, float_bits in ((counts[0], self.tables, False), (counts[1], self.capacity, False),
-                                    (counts[2], self.ints, False), (counts[3], self.floats, True)):
-            if n:  # most steps change nothing: no kernels at all
-                idx, val = packed[at : at + n], packed[at + n : at + 2 * n]
-                flat.view(-1)[idx] = val.view(torch.float64).float() if float_bits else val.to(flat.dtype)
-            at += 2 * n
+        if not any(counts):  # most steps at k = 0 change nothing: no kernels at all
+            return
+        scatter = state_scatter_ref
+        if use_fused(packed):  # one launch for every section (imported here, as window_rows does)
+            from mtpserve.kernels.state_scatter import state_scatter as scatter
+        scatter(packed, counts, self.tables, self.capacity, self.ints, self.floats)
 
 
 def device_state(num_slots: int, num_groups: int, max_len: int, block_size: int, vocab: int,
@@ -205,6 +205,8 @@ class StateDiffs:
 
 def _last_writes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(index, value) pairs -> the last value written to each index (a scatter's order is not defined)."""
+    if len(set(pairs[:, 0].tolist())) == len(pairs):  # the usual step (a block or two appended): no repeats,
+        return pairs[:, 0], np.ascontiguousarray(pairs[:, 1])  # and np.unique's sort costs more than the rest
     idx, last = np.unique(pairs[::-1, 0], return_index=True)
     return idx, np.ascontiguousarray(pairs[::-1, 1][last])
 
