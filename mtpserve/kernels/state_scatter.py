@@ -16,7 +16,9 @@ import triton.language as tl
 BLOCK = 128  # entries per program
 
 
-@triton.jit
+# The section sizes change from step to step: specialised (Triton keys ints on == 1 and % 16), each new
+# pattern of them compiled a variant in the middle of serving.
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
 def _state_scatter_kernel(packed_ptr, tables_ptr, capacity_ptr, ints_ptr, floats_ptr, n0, n1, n2, n3,
                           BLOCK: tl.constexpr):
     section, chunk = tl.program_id(0), tl.program_id(1)
