@@ -158,12 +158,17 @@ class StepCosts:
         self.max_k, self.window = max_k, window
         self.buckets = np.array(batch_buckets(max_rows))
         self.modes = {greedy: DeviceCosts(max_k, self.buckets, window, per_draft_cost) for greedy in (True, False)}
-        self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 2), np.nan)  # (host, tokens), any k
+        self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 3), np.nan)  # (host, tokens, k), any k
         self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
         # Per bucket, the last slope its window could draw: a window that holds one k alone (auto dwelling on
         # its choice) keeps it, instead of pricing the host of every k alike whatever tokens it would emit
         # (run 66: 0.003-0.007 ms a token drawn from within one cell, against about 0.014 across cells).
         self.host_slopes = np.zeros(len(self.buckets))
+        # Per bucket, the host's seconds per request and draft beyond the tokens' (a window that holds two or
+        # more k draws it, others keep the last): scheduling, block tables and offers per KV group grow with
+        # k itself. At T = 1 on the H100 a step grew 5 us a request and draft at c = 128 and 256 beyond its
+        # tokens' price, and priced by tokens alone k = 4 looked best where k = 2 ran 15 % faster (run 124).
+        self.host_draft_slopes = np.zeros(len(self.buckets))
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         # lap - device of device-bound overlapped laps, a ring per bucket
         self.gap_recent = np.zeros((len(self.buckets), self.GAP_WINDOW))
@@ -180,7 +185,7 @@ class StepCosts:
         `overlapped`: the two ran side by side; `greedy`: every request of the batch was greedy."""
         b = self.bucket(batch)
         self.modes[greedy].observe(b, k, device)
-        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host / max(batch, 1), tokens / max(batch, 1)
+        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host / max(batch, 1), tokens / max(batch, 1), k
         self.host_samples[b] += 1
         self.overlapped = overlapped
         if overlapped and lap - host > self.DEVICE_BOUND * lap > 0:
@@ -223,45 +228,58 @@ class StepCosts:
         return int(candidates[np.argmin(np.abs(np.log(self.buckets[candidates] / self.buckets[b])))])
 
     def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
-        """The host's share of a step in this batch's bucket now, for steps emitting `tokens`: on the line
-        through its recent samples where their tokens vary enough to draw one, else their lower median."""
+        """The host's share of a step in this batch's bucket now, for steps emitting `tokens` (an array: tokens[k]
+        at k drafts, each k also priced by its drafts): on the line through its recent samples where they
+        vary enough to draw one, else their lower median."""
         if tokens is None:
             return self.host_line(batch)[2]
-        a, slope, _ = self.host_line(batch)
-        return np.maximum(a + slope * np.asarray(tokens, dtype=np.float64), 0.0)
+        a, slope, per_draft, _ = self._host_fit(batch)
+        tokens = np.asarray(tokens, dtype=np.float64)
+        drafts = np.arange(tokens.shape[0]) if tokens.ndim else 0
+        return np.maximum(a + slope * tokens + per_draft * batch * drafts, 0.0)
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
-        """(a, b, median) of the host's share of a step of `batch` requests: seconds = a + b * tokens, and the
-        lower median of the bucket's recent samples, scaled to this batch. The line is drawn per request
-        (host / batch against tokens / batch): within one bucket a draining batch moves both together,
-        and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256 (run 69),
-        pricing k = 0 best. A bucket without samples (one a batch passes through while it ramps up)
-        borrows the nearest sampled bucket's line, scaled to its own batch the same way: the host's share
+        """(a, b, median) of the host's share of a step of `batch` requests at k = 0: seconds = a + b * tokens
+        (see _host_fit), and the lower median of the bucket's recent samples, scaled to this batch."""
+        a, slope, _, median = self._host_fit(batch)
+        return a, slope, median
+
+    def host_per_draft(self, batch: int) -> float:
+        """The host's seconds per request and draft in this batch's bucket, beyond what its tokens cost."""
+        return self._host_fit(batch)[2]
+
+    def _host_fit(self, batch: int) -> tuple[float, float, float, float]:
+        """(a, b, c, median): seconds = a + b * tokens + c * batch * k. The line is drawn per request
+        (host / batch against tokens / batch and k): within one bucket a draining batch moves host and tokens
+        together, and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256
+        (run 69), pricing k = 0 best. A bucket without samples (one a batch passes through while it ramps
+        up) borrows the nearest sampled bucket's line, scaled to its own batch the same way: the host's share
         grows with the requests it handles, and a row of device time alone would price drafts as if the
         host were free. Zeros before any sample."""
         b = self.bucket(batch)
         if self.host_samples[b] == 0:
             sampled = np.flatnonzero(self.host_samples)
             if sampled.size == 0:
-                return 0.0, 0.0, 0.0
+                return 0.0, 0.0, 0.0, 0.0
             b = self._nearest(sampled, b)
         n = min(self.host_samples[b], self.HOST_WINDOW)
-        seconds, emitted = self.host_recent[b, :n, 0], self.host_recent[b, :n, 1]  # per request
+        seconds, emitted, ks = (self.host_recent[b, :n, i] for i in range(3))  # per request
         last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
         now = np.sort(seconds[last])
         median = float(now[(len(now) - 1) // 2])
-        # The slope from the whole window (tokens vary across it), the level from its newest samples only:
-        # the host's speed drifts, and a change must show within a cell's window, not the line's.
-        slope = _host_slope(seconds, emitted, float(np.median(seconds)))
-        if slope is None:  # one k for a whole window: the last slope this bucket drew (0 before any)
-            slope = float(self.host_slopes[b])
-        else:
-            self.host_slopes[b] = slope
-        # Nor may a slope kept from before exceed the host's share per token now (the level would go negative);
-        # a median, since a lap whose host share was clamped at 0 would otherwise zero the slope.
+        # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
+        # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
+        # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
+        slope, per_draft = _host_slopes(seconds, emitted, ks, float(np.median(seconds)), float(self.host_slopes[b]))
+        self.host_slopes[b] = slope = float(self.host_slopes[b]) if slope is None else slope
+        self.host_draft_slopes[b] = per_draft = float(self.host_draft_slopes[b]) if per_draft is None else per_draft
+        # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
+        # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, float(np.median(seconds[last] / np.maximum(emitted[last], 1e-9))))
-        level = np.sort(seconds[last] - slope * emitted[last])[(len(last) - 1) // 2]
-        return float(level) * batch, slope, median * batch
+        rest = seconds[last] - slope * emitted[last]
+        per_draft = min(per_draft, float(np.median(rest / np.maximum(ks[last], 1e-9)))) if ks[last].any() else per_draft
+        level = np.sort(rest - per_draft * ks[last])[(len(last) - 1) // 2]
+        return float(level) * batch, slope, max(per_draft, 0.0), median * batch
 
 
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:
@@ -276,6 +294,33 @@ def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float
         return None
     slope = max(float(np.cov(x, y, bias=True)[0, 1] / x.var()), 0.0)
     return None if y.mean() - slope * x.mean() < 0 else slope
+
+
+def _host_slopes(seconds: np.ndarray, tokens: np.ndarray, ks: np.ndarray, median: float, kept: float
+                 ) -> tuple[float | None, float | None]:
+    """(b, c) of host seconds = a + b * tokens + c * k per request, each None where the window cannot draw it.
+    One k in the window (or too few samples of a second): b as _host_slope draws it, c None. Two or more:
+    c by least squares on what the tokens leave (b from the samples within each k where they vary, else
+    the slope kept from before), 0 where the fit slopes down; both None where the line would cross zero
+    before zero tokens and drafts (the host sped up or slowed down between the k's in the window)."""
+    keep = seconds <= 2.0 * median
+    x, y, k = tokens[keep], seconds[keep], ks[keep]
+    values, counts = np.unique(k, return_counts=True)
+    if (counts >= 4).sum() < 2:
+        return _host_slope(seconds, tokens, median), None
+    # Within each k, tokens vary with acceptance alone: their slope there is the tokens' own price.
+    group = np.searchsorted(values, k)
+    x_in = x - (np.bincount(group, x) / counts)[group]
+    y_in = y - (np.bincount(group, y) / counts)[group]
+    if x_in.std() >= 0.05 * max(x.mean(), 1e-9):
+        b = max(float((x_in * y_in).sum() / (x_in * x_in).sum()), 0.0)
+    else:
+        b = kept
+    rest = y - b * x
+    c = max(float(np.cov(k, rest, bias=True)[0, 1] / k.var()), 0.0)
+    if rest.mean() - c * k.mean() < 0:
+        return None, None
+    return b, c
 
 
 def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

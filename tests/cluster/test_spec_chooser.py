@@ -609,3 +609,29 @@ def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:
     mixed = np.concatenate((greedy[:4], sampled[:4]))  # one sampled request makes the batch's step sampled
     spec.choose(mixed)
     assert not spec.greedy
+
+
+def test_the_hosts_share_per_draft_is_priced_beyond_its_tokens() -> None:
+    """At T = 1 on the H100 a host-bound step grew about 5 us a request and draft beyond what its tokens
+    cost (scheduling, block tables and offers per KV group; c = 128 and 256, run 124). Drawn from a window
+    that holds two k, that price stays while the window holds one k again, and it moves the choice: priced
+    by tokens alone the most drafts win; priced with it, fewer."""
+    rng, batch = np.random.default_rng(4), 256
+    costs = StepCosts(K, batch)
+    a, b, c = 10e-6, 2e-6, 5e-6  # per request, per token, per request and draft
+
+    def step(k: int) -> None:
+        tokens = batch * (1.0 + k * rng.uniform(0.3, 0.5))  # acceptance varies from step to step
+        costs.observe(batch, k, 1e-4, host=batch * (a + c * k) + b * tokens, overlapped=True, tokens=tokens)
+
+    for k in [4] * 40 + [2] * 40:
+        step(k)
+    assert costs.host_per_draft(batch) == pytest.approx(c, rel=1e-6)
+    for _ in range(2 * StepCosts.HOST_WINDOW):  # auto dwelling at k = 2
+        step(2)
+    tokens = batch * np.array([1.0, 1.6, 1.96, 2.18, 2.3])  # acceptance 0.6 a position
+    want = batch * (a + c * np.arange(K + 1)) + b * tokens
+    np.testing.assert_allclose(costs.costs(batch, tokens), want, rtol=1e-6)
+    gains = np.diff(tokens)
+    assert choose_k(gains, tokens[0], 0, costs.costs(batch, tokens), current=K) == 1
+    assert choose_k(gains, tokens[0], 0, b * tokens + batch * a, current=K) == K  # tokens alone: the most drafts
