@@ -277,7 +277,9 @@ class StepCosts:
         # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, float(np.median(seconds[last] / np.maximum(emitted[last], 1e-9))))
         rest = seconds[last] - slope * emitted[last]
-        per_draft = min(per_draft, float(np.median(rest / np.maximum(ks[last], 1e-9)))) if ks[last].any() else per_draft
+        drafted = ks[last] > 0
+        if drafted.any():
+            per_draft = min(per_draft, float(np.median(rest[drafted] / ks[last][drafted])))
         level = np.sort(rest - per_draft * ks[last])[(len(last) - 1) // 2]
         return float(level) * batch, slope, max(per_draft, 0.0), median * batch
 
