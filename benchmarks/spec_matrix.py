@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}",
                       ["MTP", "conc", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "AL",
                        *[f"acc@{j + 1}" for j in range(max_k)], "speedup", "vs best"])
-        summary, paired = [], []
+        summary, paired, noise = [], [], []
         for c in concurrency:
             runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
             for r in range(args.repeats):  # each round starts at another k: no k always runs first
@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             if AUTO in rows and best:
                 summary.append(f"c={c}: {rows[AUTO][0].tokens_per_s / best:.3f}")
                 paired.append(f"c={c}: {_paired_ratio(runs, fixed):.3f}")
+                if args.repeats > 2:
+                    spread, excess = _noise([[run.tokens_per_s for run in runs[k]] for k in fixed])
+                    noise.append(f"c={c}: runs {spread:.1%}, best-of-{len(fixed)} excess {excess:.1%}")
         close()
 
     model = f"the server's {name}" if server else args.model or (
@@ -176,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("auto / best fixed k round by round (the best k by its median, then the median over rounds of "
                      "auto's run / that k's run of the same round): "
                      + ", ".join(paired))
+    if noise:
+        notes.append("noise (a run's spread across rounds, the median over fixed k of 1.4826 x MAD / median; and the "
+                     "expected excess of the best fixed cell over any one of them, were they all equal, which "
+                     "auto / best reads as a shortfall): " + ", ".join(noise))
     common.report(args, "spec_matrix", device, [table], notes)
     return 0
 
@@ -202,6 +209,21 @@ def _paired_ratio(runs: dict[int | str, list[workloads.Run]], fixed: list[int]) 
     best = max(fixed, key=lambda k: _median_run(runs[k]).tokens_per_s)
     return statistics.median(a.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
                              for a, b in zip(runs[AUTO], runs[best]))
+
+
+def _noise(rates: list[list[float]]) -> tuple[float, float]:
+    """rates: per fixed k, its runs' tok/s over the rounds -> (spread, excess). spread: the median over k of a run's
+    relative standard deviation (1.4826 x MAD / median); excess: the expected amount by which the best of these
+    cells (each the median of its runs, standard deviation about 1.2533 spread / sqrt(runs)) exceeds any one of
+    them, were every k equally fast. On the H100 the runs of a cell moved 10-50 % between rounds (session M),
+    and with five k's the best cell read about 8 % high: a shortfall of auto below that is no evidence."""
+    spreads = [1.4826 * statistics.median(abs(r - statistics.median(runs)) for r in runs) / statistics.median(runs)
+               for runs in rates if statistics.median(runs) > 0]
+    if not spreads:
+        return 0.0, 0.0
+    spread, n = statistics.median(spreads), min(len(runs) for runs in rates)
+    best_of = np.random.default_rng(0).standard_normal((20000, len(rates))).max(axis=1).mean()  # E[max of k normals]
+    return spread, float(best_of * 1.2533 * spread / np.sqrt(n))
 
 
 def _median_run(runs: list[workloads.Run]) -> workloads.Run:
