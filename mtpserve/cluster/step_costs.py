@@ -9,9 +9,10 @@ kept apart because they behave differently:
   seeded at start-up by timing the captured graphs, and estimated where neither exists.
 * H moves with the host (on the H100's host one op's time moved 2x inside one run) and grows with the
   tokens a step emits (postprocessing is per token: at c = 8 on the H100, 0.73 ms at k = 0 and 1.25 ms
-  at k = 4). Per bucket, a line H / batch = a + b * tokens / batch through its last HOST_WINDOW samples
-  at any k (per request: a draining batch moves host and tokens together), so every k is priced with
-  the host as it is now and the tokens that k would emit. Comparing whole-lap
+  at k = 4) and with k itself (work per KV group). Per bucket, a line H / batch = a + b * tokens / batch
+  + c * k through its last HOST_WINDOW samples at any k (per request: a draining batch moves host and
+  tokens together), so every k is priced with the host as it is now, the tokens that k would emit and
+  its drafts (c only where the window held two k, else the last c drawn). Comparing whole-lap
   medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1 where the steps
   were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
