@@ -266,8 +266,8 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
             costs, (a, b, _) = adaptive.costs.costs(c, greedy=greedy), adaptive.costs.host_line(c)
             print(f"  auto {prefix}: steps per chosen k {dict(enumerate(steps.tolist()))}, "
                   f"requests caught up {runner.num_catch_ups - before[1]}; step cost / k=0 at the end "
-                  f"{np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} ms x "
-                  f"{np.round(adaptive.costs.shape.scale(), 2).tolist()} + {b * 1e3:.4f}/token ms, "
+                  f"{np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + {b * 1e3:.4f}/token ms + "
+                  f"{adaptive.costs.host_per_draft(c) * 1e6:.2f} us a request and draft, "
                   f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
                   f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
         return run

@@ -74,9 +74,9 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
 
 
 def _line(costs: StepCosts, c: int) -> str:
-    """The bucket's host share now, as printed: 'a x shape[k] + b/token ms (median m)'."""
+    """The bucket's host share now, as printed: 'a + b/token ms + c us a request and draft (median m)'."""
     a, b, median = costs.host_line(c)
-    return (f"{a * 1e3:.3f} x {np.round(costs.shape.scale(), 2).tolist()} + {b * 1e3:.4f}/token ms "
+    return (f"{a * 1e3:.3f} + {b * 1e3:.4f}/token ms + {costs.host_per_draft(c) * 1e6:.2f} us a request and draft "
             f"(median {median * 1e3:.3f})")
 
 

@@ -39,11 +39,7 @@ class AdaptiveConfig:
     prior_strength: float = 5.0
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
-    # A larger k must beat the current one by this fraction: a rise costs a catch-up of the modules that lagged,
-    # and noisy estimates must not flap. A smaller k by hysteresis_fall only: going down costs nothing, and at
-    # T = 1 on the H100 k = 4 ran 4-5 % below k = 2 or 3 at c >= 128, inside a 5 % margin.
-    hysteresis: float = 0.05
-    hysteresis_fall: float = 0.01
+    hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
     max_dwell: int = 128
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
@@ -58,21 +54,20 @@ def expected_tokens(p: np.ndarray) -> np.ndarray:
 
 
 def choose_k(gains: np.ndarray, base: float, floor: int, cost: np.ndarray, current: int,
-             hysteresis: float = 0.0, fall: float | None = None) -> int:
+             hysteresis: float = 0.0) -> int:
     """The step's k in 0..K maximising expected tokens per second of the batch.
 
     gains [K]: summed over the adaptive requests, the expected extra tokens of draft position j + 1 (zero
     past a request's cap); base: tokens the step emits whatever k is (one per request plus the fixed
     requests' accepted drafts); floor: the largest fixed request's k (the step runs at least that);
-    cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless a larger k
-    beats it by the fraction `hysteresis` or a smaller one by `fall` (default: the same).
+    cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless another
+    k beats it by the fraction `hysteresis`.
     """
     ks = np.arange(cost.shape[0])
     tokens = base + np.concatenate(([0.0], np.cumsum(gains)))[: len(ks)]
     rate = tokens / cost[np.maximum(ks, floor)]
     best = int(np.argmax(rate))
-    margin = hysteresis if best > current or fall is None else fall
-    if 0 <= current < len(ks) and rate[best] <= rate[current] * (1.0 + margin):
+    if 0 <= current < len(ks) and rate[best] <= rate[current] * (1.0 + hysteresis):
         return current
     return best
 
@@ -200,8 +195,6 @@ class AdaptiveSpec:
         self.acceptance = AcceptanceTable(config)
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
-        self._settled = config.max_k  # the last choice that was not a probe (what hysteresis holds to)
-        self._probed_at: dict[int, int] = {}  # k -> the step-cost sample count when k - 1 was last probed
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
         self.dwell = config.min_dwell  # steps the last choice holds
@@ -265,9 +258,7 @@ class AdaptiveSpec:
             costs = self.costs.costs(batch, tokens * (batch / rows.size), self.greedy)  # as many per request
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
-            chosen = choose_k(gains, base, floor, costs, self._settled, self.config.hysteresis,
-                              self.config.hysteresis_fall)
-            k, self._settled = self._explore(chosen, floor, rows.size), chosen
+            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0
@@ -284,8 +275,8 @@ class AdaptiveSpec:
         self._bucket = self._rows_bucket
         gains = batch * np.cumprod(self.acceptance.prior[: self.config.max_k])
         tokens = batch + np.concatenate(([0.0], np.cumsum(gains)))  # per k, as in choose
-        self.k = self._settled = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy),
-                                          self._settled, self.config.hysteresis, self.config.hysteresis_fall)
+        self.k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), self.k,
+                          self.config.hysteresis)
         self._held, self.dwell = 0, self.config.min_dwell
         self.chosen[self.k] += 1
         return self.k
@@ -296,22 +287,13 @@ class AdaptiveSpec:
         c = self.config
         return int(np.clip(np.ceil(choice_seconds / (c.choice_share * step_seconds)), c.min_dwell, c.max_dwell))
 
-    def _explore(self, k: int, floor: int, batch: int) -> int:
-        """k - 1 for one dwell (a probe) where the choice stays at k and k - 1 is unknown next to it: never timed
-        on the device in this bucket (nor seeded), or the host's shape holds no recent measurement of k - 1
-        against k (host_shape.py: it needs k, k - 1 and k again). Going down costs nothing (the way back a
-        catch-up of the lagging module), and the next choice holds to k, not to the probe; without probes a
-        slope extrapolated from one k, or a host priced as if drafts were free to it, could hide a better k
-        for good (at T = 1 on the H100 auto ran k = 4 at c >= 32 where k = 2 or 3 was faster)."""
-        shape = self.costs.shape
-        if k != self._settled or k <= max(floor, 0) or k != self.k:
-            return k
-        if self.costs.timed(batch, k - 1, self.greedy) and shape.measured(k - 1, k):
-            return k
-        if shape.count - self._probed_at.get(k, -shape.STALE - 1) <= shape.STALE:
-            return k  # probed lately and still unknown (no host shares, a batch on the move): not again yet
-        self._probed_at[k] = shape.count
-        return k - 1
+    def _explore(self, k: int, batch: int) -> int:
+        """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
+        Going down costs nothing and gives the bucket's cost line a second point; a k extrapolated from
+        the prior slope alone could otherwise look worse than it is, forever."""
+        if k == self.k and k > 0 and not self.costs.timed(batch, k - 1, self.greedy):
+            return k - 1
+        return k
 
     def estimates(self) -> list[float]:
         """The engine-wide acceptance estimate per draft position (for metrics), as of the last fold: at

@@ -8,20 +8,19 @@ kept apart because they behave differently:
   (CUDA events around the step on the device; the time inside the executor where it runs serially),
   seeded at start-up by timing the captured graphs, and estimated where neither exists.
 * H moves with the host (on the H100's host one op's time moved 2x inside one run) and grows with the
-  tokens a step emits (postprocessing is per token) and with k itself (work per KV group: at T = 1 on
-  the H100, 13 / 18 / 20 / 22 / 24 us a request at k = 0..4 and c = 256). Per bucket and request,
-  H / batch = b * tokens / batch + level * shape[k]: b drawn within each k of the bucket's last
-  HOST_WINDOW samples, the shape (host_shape.py) from where k went down and back, the level from the
-  newest samples. So every k is priced with the host as it is now, the tokens that k would emit and
-  its drafts. Comparing whole-lap medians of cells measured at different times had read k = 4 as 4.4x
-  k = 0 at c = 1 where the steps were about 1.4x, and auto picked k's that the fixed-k runs beat.
+  tokens a step emits (postprocessing is per token: at c = 8 on the H100, 0.73 ms at k = 0 and 1.25 ms
+  at k = 4) and with k itself (work per KV group). Per bucket, a line H / batch = a + b * tokens / batch
+  + c * k through its last HOST_WINDOW samples at any k (per request: a draining batch moves host and
+  tokens together), so every k is priced with the host as it is now, the tokens that k would emit and
+  its drafts (c only where the window held two k, else the last c drawn). Comparing whole-lap
+  medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1 where the steps
+  were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from mtpserve.cluster.host_shape import HostShape
 from mtpserve.workers.cuda_graphs import batch_buckets
 
 
@@ -166,10 +165,11 @@ class StepCosts:
         # its choice) keeps it, instead of pricing the host of every k alike whatever tokens it would emit
         # (run 66: 0.003-0.007 ms a token drawn from within one cell, against about 0.014 across cells).
         self.host_slopes = np.zeros(len(self.buckets))
-        # How the host's share per request grows with k, learned where auto's k goes down and back (its
-        # windows hold one k almost always: at T = 1 on the H100, priced by tokens alone, k = 4 looked best
-        # at c >= 32 where k = 2 or 3 ran faster, session N).
-        self.shape = HostShape(max_k, len(self.buckets))
+        # Per bucket, the host's seconds per request and draft beyond the tokens' (a window that holds two or
+        # more k draws it, others keep the last): scheduling, block tables and offers per KV group grow with
+        # k itself. At T = 1 on the H100 a step grew 5 us a request and draft at c = 128 and 256 beyond its
+        # tokens' price, and priced by tokens alone k = 4 looked best where k = 2 ran 15 % faster (run 124).
+        self.host_draft_slopes = np.zeros(len(self.buckets))
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         # lap - device of device-bound overlapped laps, a ring per bucket
         self.gap_recent = np.zeros((len(self.buckets), self.GAP_WINDOW))
@@ -188,7 +188,6 @@ class StepCosts:
         self.modes[greedy].observe(b, k, device)
         self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host / max(batch, 1), tokens / max(batch, 1), k
         self.host_samples[b] += 1
-        self.shape.observe(b, k, (host - self.host_slopes[b] * tokens) / max(batch, 1))
         self.overlapped = overlapped
         if overlapped and lap - host > self.DEVICE_BOUND * lap > 0:
             self.gap_recent[b, self.gap_samples[b] % self.GAP_WINDOW] = max(lap - device, 0.0)
@@ -231,69 +230,98 @@ class StepCosts:
 
     def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
         """The host's share of a step in this batch's bucket now, for steps emitting `tokens` (an array: tokens[k]
-        at k drafts, each k also priced by the host's shape): per request, b * tokens + level * shape[k], the
-        level from the bucket's newest samples; None: their lower median."""
+        at k drafts, each k also priced by its drafts): on the line through its recent samples where they
+        vary enough to draw one, else their lower median."""
         if tokens is None:
             return self.host_line(batch)[2]
-        a, slope, _ = self.host_line(batch)
+        a, slope, per_draft, _ = self._host_fit(batch)
         tokens = np.asarray(tokens, dtype=np.float64)
-        scale = self.shape.scale()[: tokens.shape[0]] if tokens.ndim else 1.0
-        return np.maximum(a * scale + slope * tokens, 0.0)
+        drafts = np.arange(tokens.shape[0]) if tokens.ndim else 0
+        return np.maximum(a + slope * tokens + per_draft * batch * drafts, 0.0)
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
-        """(a, b, median): the host's share of a step of `batch` requests at k = 0 is a + b * tokens, and the
-        lower median of the bucket's recent samples, scaled to this batch.
+        """(a, b, median) of the host's share of a step of `batch` requests at k = 0: seconds = a + b * tokens
+        (see _host_fit), and the lower median of the bucket's recent samples, scaled to this batch."""
+        a, slope, _, median = self._host_fit(batch)
+        return a, slope, median
 
-        Drawn per request (host / batch against tokens / batch): within one bucket a draining batch moves host
-        and tokens together, and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at
-        c = 256 (run 69), pricing k = 0 best. b is the tokens' own price, drawn within each k (across k's, what
-        the drafts cost would read as tokens); a window whose tokens hardly vary keeps the b its bucket drew
-        before. The level comes from the newest samples only, each brought to k = 0 by the host's shape: the
-        host's speed drifts, and a change must show within a cell's window. A bucket without samples (one a
-        batch passes through while it ramps up) borrows the nearest sampled bucket's, scaled to its own
-        batch: the host's share grows with the requests it handles. Zeros before any sample."""
+    def host_per_draft(self, batch: int) -> float:
+        """The host's seconds per request and draft in this batch's bucket, beyond what its tokens cost."""
+        return self._host_fit(batch)[2]
+
+    def _host_fit(self, batch: int) -> tuple[float, float, float, float]:
+        """(a, b, c, median): seconds = a + b * tokens + c * batch * k. The line is drawn per request
+        (host / batch against tokens / batch and k): within one bucket a draining batch moves host and tokens
+        together, and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256
+        (run 69), pricing k = 0 best. A bucket without samples (one a batch passes through while it ramps
+        up) borrows the nearest sampled bucket's line, scaled to its own batch the same way: the host's share
+        grows with the requests it handles, and a row of device time alone would price drafts as if the
+        host were free. Zeros before any sample."""
         b = self.bucket(batch)
         if self.host_samples[b] == 0:
             sampled = np.flatnonzero(self.host_samples)
             if sampled.size == 0:
-                return 0.0, 0.0, 0.0
+                return 0.0, 0.0, 0.0, 0.0
             b = self._nearest(sampled, b)
         n = min(self.host_samples[b], self.HOST_WINDOW)
         seconds, emitted, ks = (self.host_recent[b, :n, i] for i in range(3))  # per request
         last = (self.host_samples[b] - 1 - np.arange(min(n, self.window))) % self.HOST_WINDOW  # the newest ones
         now = np.sort(seconds[last])
         median = float(now[(len(now) - 1) // 2])
-        slope = _tokens_slope(seconds, emitted, ks.astype(np.int64), float(np.median(seconds)))
+        # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
+        # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
+        # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
+        slope, per_draft = _host_slopes(seconds, emitted, ks, float(np.median(seconds)), float(self.host_slopes[b]))
         self.host_slopes[b] = slope = float(self.host_slopes[b]) if slope is None else slope
-        # Nor may a slope kept from before exceed the host's share now (the level would go negative); a median,
-        # since a lap whose host share was clamped at 0 would otherwise zero it.
+        self.host_draft_slopes[b] = per_draft = float(self.host_draft_slopes[b]) if per_draft is None else per_draft
+        # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
+        # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, float(np.median(seconds[last] / np.maximum(emitted[last], 1e-9))))
-        rest = (seconds[last] - slope * emitted[last]) / self.shape.scale()[ks[last].astype(np.int64)]
-        level = np.sort(rest)[(len(last) - 1) // 2]
-        return float(level) * batch, slope, median * batch
+        rest = seconds[last] - slope * emitted[last]
+        drafted = ks[last] > 0
+        if drafted.any():
+            per_draft = min(per_draft, float(np.median(rest[drafted] / ks[last][drafted])))
+        level = np.sort(rest - per_draft * ks[last])[(len(last) - 1) // 2]
+        return float(level) * batch, slope, max(per_draft, 0.0), median * batch
 
 
-def _tokens_slope(seconds: np.ndarray, tokens: np.ndarray, ks: np.ndarray, median: float) -> float | None:
-    """b of host seconds = a_k + b * tokens per request, drawn within each k (tokens vary there with acceptance
-    alone), leaving out stretched samples (over twice the median: a GC pause, the OS); 0 where the fit slopes
-    down. None where the tokens hardly vary within the k's (one k at a large batch: the slope would be
-    noise) or where some k's line would cross zero before zero tokens (the host sped up or slowed down
-    inside the window: at T = 1, c = 256 on the H100 such a line read -2.4 ms + 0.026 ms a token and held
-    auto at k = 0 for a whole round, run 74). Sums and bincounts, not np.unique and np.cov: a full choice
-    calls this, and on the 2-core CPU those took half again the time of the rest of the cost row."""
+def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:
+    """b of host seconds = a + b * tokens by least squares, leaving out stretched samples (over twice the
+    median: a GC pause, the OS); None where tokens hardly vary (one k at a large batch: the slope would be
+    noise) or the line would cross zero before zero tokens (the host sped up or slowed down between the k's
+    in the window: at T = 1, c = 256 on the H100 such a line read -2.4 ms + 0.026 ms a token and held auto
+    at k = 0 for a whole round, run 74), 0 where the fit slopes down."""
     keep = seconds <= 2.0 * median
-    x, y, k = tokens[keep], seconds[keep], ks[keep]
-    if x.size < 8:
+    x, y = tokens[keep], seconds[keep]
+    if x.size < 8 or x.std() < 0.05 * max(x.mean(), 1e-9):
         return None
-    per_k = np.maximum(np.bincount(k), 1)
-    x_k, y_k = np.bincount(k, x) / per_k, np.bincount(k, y) / per_k
-    x_in, y_in = x - x_k[k], y - y_k[k]
+    slope = max(float(np.cov(x, y, bias=True)[0, 1] / x.var()), 0.0)
+    return None if y.mean() - slope * x.mean() < 0 else slope
+
+
+def _host_slopes(seconds: np.ndarray, tokens: np.ndarray, ks: np.ndarray, median: float, kept: float
+                 ) -> tuple[float | None, float | None]:
+    """(b, c) of host seconds = a + b * tokens + c * k per request, each None where the window cannot draw it.
+    One k in the window (or too few samples of a second): b as _host_slope draws it, c None. Two or more:
+    c by least squares on what the tokens leave (b from the samples within each k where they vary, else
+    the slope kept from before), 0 where the fit slopes down; both None where the line would cross zero
+    before zero tokens and drafts (the host sped up or slowed down between the k's in the window). Sums
+    and bincounts, not np.unique and np.cov: a full choice calls this, and on the 2-core CPU those took
+    half again the time of the rest of the cost row."""
+    keep = seconds <= 2.0 * median
+    x, y, k = tokens[keep], seconds[keep], ks[keep].astype(np.int64)
+    counts = np.bincount(k)
+    if np.count_nonzero(counts >= 4) < 2:
+        return _host_slope(seconds, tokens, median), None
+    # Within each k, tokens vary with acceptance alone: their slope there is the tokens' own price.
+    per_k = np.maximum(counts, 1)
+    x_in, y_in = x - (np.bincount(k, x) / per_k)[k], y - (np.bincount(k, y) / per_k)[k]
     xx = float(x_in @ x_in)
-    if xx < len(x) * (0.05 * max(float(x.mean()), 1e-9)) ** 2:
-        return None
-    slope = max(float(x_in @ y_in) / xx, 0.0)
-    present = np.bincount(k) > 0
-    return None if (y_k - slope * x_k)[present].min() < 0 else slope
+    b = max(float(x_in @ y_in) / xx, 0.0) if xx >= len(x) * (0.05 * max(float(x.mean()), 1e-9)) ** 2 else kept
+    rest = y - b * x
+    k_c = k - k.mean()
+    c = max(float(k_c @ (rest - rest.mean())) / float(k_c @ k_c), 0.0)
+    return (None, None) if rest.mean() - c * k.mean() < 0 else (b, c)
 
 
 def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

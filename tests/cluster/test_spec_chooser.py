@@ -95,9 +95,6 @@ def test_hysteresis_keeps_the_current_k_unless_clearly_beaten() -> None:
     assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.1) == 2  # 1.154 < 1.094 * 1.1
     assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.01) == 1
     assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.1) == 1  # 4 is far behind
-    # Going down is free, going up costs a catch-up: the margins may differ.
-    assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.1, fall=0.01) == 1
-    assert choose_k(gains, 1.0, 0, cost, current=0, hysteresis=0.2, fall=0.01) == 0  # 1.154 < 1.0 * 1.2
 
 
 def test_a_choice_holds_for_min_dwell_steps() -> None:
@@ -430,50 +427,3 @@ def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:
     mixed = np.concatenate((greedy[:4], sampled[:4]))  # one sampled request makes the batch's step sampled
     spec.choose(mixed)
     assert not spec.greedy
-
-
-# The host's share per request at k = 0..4 of a host-bound step on the H100 (T = 1, c = 256, session N's
-# choice trace), and the device's share of the same steps: the host sets the pace at every k.
-HOST_US = np.array([13.2, 18.0, 19.8, 21.9, 24.3])
-DEVICE_MS = np.array([0.44, 0.67, 0.89, 1.11, 1.32])
-
-
-def _host_bound(seed: int, learn_shape: bool) -> tuple[float, list[int]]:
-    """256 requests accepting each position with p = 0.62 on that host, whose speed moves 1.5x every 300 steps;
-    -> (expected tokens per second over the best k's, the k's chosen). learn_shape=False: the host's shape
-    never measured and never probed for (as before it existed)."""
-    rng, batch, p = np.random.default_rng(seed), 256, 0.62
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=batch))
-    if not learn_shape:
-        spec.costs.shape.measured = lambda i, j: True
-        spec.costs.shape.observe = lambda bucket, k, host: None
-    for k in range(K + 1):
-        spec.costs.seed(batch, k, DEVICE_MS[k] * 1e-3)
-    rows = np.array([spec.admit(K, True) for _ in range(batch)])
-    tokens = 1.0 + np.concatenate(([0.0], np.cumsum(p ** np.arange(1, K + 1))))
-    got = best = 0.0
-    ks = []
-    for step in range(2000):
-        k = spec.choose(rows)
-        accepted = np.argmin(np.concatenate((rng.uniform(size=(batch, k)) < p, np.zeros((batch, 1), bool)), 1), 1)
-        spec.acceptance.observe(rows, np.full(batch, k), accepted)
-        speed = 1.5 if (step // 300) % 2 else 1.0
-        host = speed * batch * HOST_US * 1e-6 * rng.uniform(0.95, 1.05)
-        spec.costs.observe(batch, k, DEVICE_MS[k] * 1e-3, host[k], overlapped=True, tokens=float(k + 1 + accepted.sum()),
-                           lap=max(host[k], DEVICE_MS[k] * 1e-3))
-        ks.append(k)
-        if step >= 200:
-            got, best = got + tokens[k] / host[k], best + (tokens / host).max()
-    return got / best, ks
-
-
-def test_a_host_bound_batch_learns_what_drafts_cost_the_host() -> None:
-    """Priced by its tokens alone, the host's share hardly grows with k, and the largest k looked best at c >= 32
-    on the H100 where k = 2 or 3 ran 5-10 % faster. Probing k - 1 now and then (k, k - 1, k again) measures the
-    host's shape through its drift, and the choice settles where the rate is best."""
-    for seed in (1, 2, 3):
-        rate, ks = _host_bound(seed, learn_shape=True)
-        assert rate >= 0.975, f"{rate:.3f}, choices {np.bincount(ks, minlength=K + 1)}"
-        assert sum(a != b for a, b in zip(ks[200:], ks[201:])) <= 20  # probes stay rare
-    blind, blind_ks = _host_bound(1, learn_shape=False)
-    assert blind < 0.965 and set(blind_ks[200:]) == {K}  # what auto did: the test tells them apart
