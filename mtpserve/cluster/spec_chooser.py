@@ -37,17 +37,14 @@ class AdaptiveConfig:
     # observations (a request's own count saturates at 1 / decay): a short run of rejections, common within
     # one request, must not send a whole step to k = 0, where nothing is observed until the next choice.
     prior_strength: float = 5.0
-    # Each step a position goes unobserved, a request's observations of it weigh this much less, so that its
-    # estimate returns to the prior: a request whose drafts were rejected a few times in a row chose k = 0,
-    # where nothing is observed, and kept it to its end (at T = 1, c = 1 on the H100 auto ran 512 of its
-    # 4510 steps at k = 0, 0.79 of the best k's speed, session N).
-    age: float = 0.05
+    # A position no request has drafted for this many steps is drafted for one dwell (k + 1 where the choice stays
+    # at k): the engine-wide prior learns only from drafted positions, and one that a run of rejections had pulled
+    # low held every later request at that k for good (a simulation of c = 1 at 0.62 a position: k = 0 from its
+    # fourth request on, 0.91 of the best k's rate; probing, 0.97).
+    probe_after: int = 256
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
-    # A larger k must beat the current one by this fraction: a rise costs a catch-up of the modules that lagged,
-    # and noisy estimates must not flap. A smaller k by hysteresis_fall only: going down costs nothing.
-    hysteresis: float = 0.05
-    hysteresis_fall: float = 0.01
+    hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
     max_dwell: int = 128
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
@@ -62,21 +59,20 @@ def expected_tokens(p: np.ndarray) -> np.ndarray:
 
 
 def choose_k(gains: np.ndarray, base: float, floor: int, cost: np.ndarray, current: int,
-             hysteresis: float = 0.0, fall: float | None = None) -> int:
+             hysteresis: float = 0.0) -> int:
     """The step's k in 0..K maximising expected tokens per second of the batch.
 
     gains [K]: summed over the adaptive requests, the expected extra tokens of draft position j + 1 (zero
     past a request's cap); base: tokens the step emits whatever k is (one per request plus the fixed
     requests' accepted drafts); floor: the largest fixed request's k (the step runs at least that);
-    cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless a larger k
-    beats it by the fraction `hysteresis` or a smaller one by `fall` (default: the same).
+    cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless another
+    k beats it by the fraction `hysteresis`.
     """
     ks = np.arange(cost.shape[0])
     tokens = base + np.concatenate(([0.0], np.cumsum(gains)))[: len(ks)]
     rate = tokens / cost[np.maximum(ks, floor)]
     best = int(np.argmax(rate))
-    margin = hysteresis if best > current or fall is None else fall
-    if 0 <= current < len(ks) and rate[best] <= rate[current] * (1.0 + margin):
+    if 0 <= current < len(ks) and rate[best] <= rate[current] * (1.0 + hysteresis):
         return current
     return best
 
@@ -106,8 +102,7 @@ class AcceptanceTable:
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
         self.prior_steps = np.zeros(k)  # steps that observed each position
         self.now = 0  # steps so far (the chooser counts them)
-        self.seen_at = np.zeros((k, rows), dtype=np.int64)  # the step that last observed each position of a row
-        self._aged_to = 0  # the step up to which unobserved positions have been aged
+        self.drafted_at = np.zeros(k, dtype=np.int64)  # the step that last observed each position, any request
         self._free = list(range(rows - 1, -1, -1))
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
         self._owned_from = np.zeros(rows, dtype=np.int64)  # the first queued step that is the row's own
@@ -118,7 +113,7 @@ class AcceptanceTable:
         self._owned_from[row] = len(self._pending)  # a previous holder's queued steps count for the prior only
         self.within[:, row] = self._j < cap
         self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
-        self.p[:, row], self.n[:, row], self.seen_at[:, row] = self.prior, 0.0, self.now
+        self.p[:, row], self.n[:, row] = self.prior, 0.0
         return row
 
     def release(self, row: int) -> None:
@@ -155,12 +150,10 @@ class AcceptanceTable:
             self._pending.append((rows, drafts, accepted, self.now))
 
     def flush(self) -> None:
-        """Fold the queued steps into the estimates, as if each had been folded when it was observed, and age the
-        positions they did not observe."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            self._age(np.ones_like(self.seen_at, dtype=bool))
+        """Fold the queued steps into the estimates, as if each had been folded when it was observed."""
+        if not self._pending:
             return
+        pending, self._pending = self._pending, []
         sizes = [len(r) for r, _, _, _ in pending]
         rows, drafts, accepted = (np.concatenate(x) for x in list(zip(*pending))[:3])
         stamps = np.repeat([step for _, _, _, step in pending], sizes)
@@ -169,22 +162,9 @@ class AcceptanceTable:
         own = np.repeat(np.arange(len(pending)), sizes) >= self._owned_from[rows]
         self._owned_from[:] = 0
         self._fold_prior(np.cumsum([0] + sizes[:-1]), seen, hit)
-        j, e = np.nonzero(seen[own].T)  # (position, entry), entries in step order within each position
-        idle = np.ones_like(self.seen_at, dtype=bool)
-        idle[j, rows[own][e]] = False
-        self._age(idle)
+        self.drafted_at = np.maximum(self.drafted_at, np.where(seen, stamps[:, None], 0).max(axis=0))
         if own.any():
             self._fold_rows(rows[own], seen[own], hit[own])
-            self.seen_at[j, rows[own][e]] = stamps[own][e]  # the last write of each (position, row) is its newest
-
-    def _age(self, idle: np.ndarray) -> None:
-        """idle [K, rows]: positions this fold does not observe. Each step since one was last observed (or aged)
-        keeps 1 - age of its observations' weight and moves it that far back to the prior."""
-        steps = self.now - np.maximum(self.seen_at, self._aged_to)
-        keep = np.where(idle, (1.0 - self.config.age) ** steps, 1.0)
-        self.p = keep * self.p + (1.0 - keep) * self.prior[:, None]
-        self.n *= keep
-        self._aged_to = self.now
 
     def _fold_rows(self, rows: np.ndarray, seen: np.ndarray, hit: np.ndarray) -> None:
         """Each seen observation moves p by decay toward 0 or 1: after s of them in order,
@@ -288,8 +268,8 @@ class AdaptiveSpec:
             costs = self.costs.costs(batch, tokens * (batch / rows.size), self.greedy)  # as many per request
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
-            c = self.config
-            k = self._explore(choose_k(gains, base, floor, costs, self.k, c.hysteresis, c.hysteresis_fall), rows.size)
+            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
+            k = self._probe_up(k, gains)
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0
@@ -325,6 +305,17 @@ class AdaptiveSpec:
         if k == self.k and k > 0 and not self.costs.timed(batch, k - 1, self.greedy):
             return k - 1
         return k
+
+    def _probe_up(self, k: int, gains: np.ndarray) -> int:
+        """k + 1 for one dwell where the choice stays at k and no request has drafted position k + 1 for
+        probe_after steps (see AdaptiveConfig.probe_after); the next choice holds to whatever the model then
+        says. A probe counts as drafting the position: where no request reaches it (its catch-up too long), the
+        next one waits its turn."""
+        t = self.acceptance
+        if k != self.k or k >= len(gains) or gains[k] <= 0.0 or t.now - t.drafted_at[k] <= self.config.probe_after:
+            return k
+        t.drafted_at[k] = t.now
+        return k + 1
 
     def estimates(self) -> list[float]:
         """The engine-wide acceptance estimate per draft position (for metrics), as of the last fold: at

@@ -95,9 +95,6 @@ def test_hysteresis_keeps_the_current_k_unless_clearly_beaten() -> None:
     assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.1) == 2  # 1.154 < 1.094 * 1.1
     assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.01) == 1
     assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.1) == 1  # 4 is far behind
-    # Going down is free, going up costs a catch-up: the margins may differ.
-    assert choose_k(gains, 1.0, 0, cost, current=2, hysteresis=0.1, fall=0.01) == 1
-    assert choose_k(gains, 1.0, 0, cost, current=0, hysteresis=0.2, fall=0.01) == 0  # 1.154 < 1.0 * 1.2
 
 
 def test_a_choice_holds_for_min_dwell_steps() -> None:
@@ -432,35 +429,36 @@ def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:
     assert not spec.greedy
 
 
-def _stopped_drafting(age: float) -> list[int]:
-    """One request at a time on the H100's device costs at c = 1, drafts accepted at 0.7 a position by the
-XX: -> the k's chosen over its next
-    120 steps, in which it observes nothing at k = 0 (and accepts every draft once it drafts again)."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=2, min_dwell=4, max_dwell=4, age=age))
-    for k, us in enumerate(GRAPH_US):
-        spec.costs.seed(1, k, us * 1e-6)
-    earlier, rng = np.array([spec.admit(K, True)]), np.random.default_rng(0)
-    for _ in range(400):  # the engine-wide prior settles near 0.7 a position
-        spec.choose(earlier)
-        accepted = np.argmin(np.append(rng.uniform(size=K) < 0.7, False))
-        spec.acceptance.observe(earlier, np.array([K]), np.array([accepted]))
-    spec.release(int(earlier[0]))
-    rows = np.array([spec.admit(K, True)])
-    ks = []
-    for step in range(130):
-        k = spec.choose(rows)
-        if k:
-            spec.acceptance.observe(rows, np.array([k]), np.array([0 if step < 10 else k]))
-        ks.append(k)
-    return ks[10:]
+def _one_request_at_a_time_at(p: float, probe_after: int, seed: int = 0) -> float:
+    """Requests of 120 steps one after another, each position accepted with probability p, on the H100's device
+    costs at c = 1 and T = 1 (overlapped with a 0.25 ms host share); -> expected tokens per second over the
+    best k's, after the first five requests."""
+    device = np.array([0.235, 0.384, 0.437, 0.616, 0.615]) * 1e-3
+    lap = np.maximum(device, 0.25e-3)
+    rng = np.random.default_rng(seed)
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, max_dwell=8, probe_after=probe_after))
+    for k, seconds in enumerate(device):
+        spec.costs.seed(1, k, seconds)
+    tokens = 1.0 + np.concatenate(([0.0], np.cumsum(p ** np.arange(1, K + 1))))
+    got = best = 0.0
+    for request in range(30):
+        rows = np.array([spec.admit(K, True)])
+        for _ in range(120):
+            k = spec.choose(rows)
+            accepted = np.argmin(np.append(rng.uniform(size=k) < p, False))
+            spec.acceptance.observe(rows, np.array([k]), np.array([accepted]))
+            spec.costs.observe(1, k, device[k], 0.25e-3, overlapped=True, tokens=1.0 + accepted, lap=lap[k])
+            if request >= 5:
+                got, best = got + tokens[k] / lap[k], best + (tokens / lap).max()
+        spec.release(int(rows[0]))
+    return got / best
 
 
-def test_a_request_that_stopped_drafting_tries_again() -> None:
-    """A run of rejections sends a request to k = 0, where nothing is observed: its estimate used to stay where the
-    run left it, and the request kept k = 0 to its end (at T = 1, c = 1 on the H100 auto ran 11 % of its steps
-    at k = 0, each 0.79 of the best k's speed). Aged, its unobserved positions return to the prior."""
-    frozen = _stopped_drafting(age=0.0)
-    assert frozen[0] == 0 and set(frozen) == {0}
-    aged = _stopped_drafting(age=AdaptiveConfig.age)
-    assert aged[0] == 0 and aged.index(next(k for k in aged if k > 0)) <= 20, aged
-    assert min(aged[20:]) >= 1  # and, its drafts accepted again, it keeps drafting
+def test_a_position_no_request_drafts_is_drafted_now_and_then() -> None:
+    """At c = 1 the engine-wide prior is the last requests' history: a run of rejections pulled it low, the next
+    requests started at k = 0, where nothing is observed, and every later one stayed there (0.91 of the best k's
+    rate at 0.62 a position, where k = 2 is 14 % faster). Drafting such a position for one dwell every
+    probe_after steps lets the prior learn again; where drafts do not pay, the probes cost little."""
+    assert _one_request_at_a_time_at(0.62, probe_after=10**9) < 0.93
+    assert _one_request_at_a_time_at(0.62, probe_after=AdaptiveConfig.probe_after) >= 0.95
+    assert _one_request_at_a_time_at(0.2, probe_after=AdaptiveConfig.probe_after) >= 0.98
