@@ -204,6 +204,7 @@ class AdaptiveSpec:
         self.acceptance = AcceptanceTable(config)
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
+        self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
         self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
         self.dwell = config.min_dwell  # steps the last choice holds
@@ -268,8 +269,10 @@ class AdaptiveSpec:
             costs = self.costs.costs(batch, tokens * (batch / rows.size), self.greedy)  # as many per request
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
-            k = self._explore(choose_k(gains, base, floor, costs, self.k, self.config.hysteresis), rows.size)
-            k = self._probe_up(k, gains)
+            current = self.k if self._probed_from < 0 else self._probed_from  # a probe lasts one dwell
+            k = self._explore(choose_k(gains, base, floor, costs, current, self.config.hysteresis), rows.size)
+            probe = self._probe_up(k, gains)
+            self._probed_from, k = (k if probe != k else -1), probe
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0
@@ -288,6 +291,7 @@ class AdaptiveSpec:
         tokens = batch + np.concatenate(([0.0], np.cumsum(gains)))  # per k, as in choose
         self.k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), self.k,
                           self.config.hysteresis)
+        self._probed_from = -1
         self._held, self.dwell = 0, self.config.min_dwell
         self.chosen[self.k] += 1
         return self.k
@@ -308,8 +312,8 @@ class AdaptiveSpec:
 
     def _probe_up(self, k: int, gains: np.ndarray) -> int:
         """k + 1 for one dwell where the choice stays at k and no request has drafted position k + 1 for
-        probe_after steps (see AdaptiveConfig.probe_after); the next choice holds to whatever the model then
-        says. A probe counts as drafting the position: where no request reaches it (its catch-up too long), the
+        probe_after steps (see AdaptiveConfig.probe_after); the next choice holds to k unless, with what the
+        probe observed, k + 1 beats it by the hysteresis. A probe counts as drafting the position: where no request reaches it (its catch-up too long), the
         next one waits its turn."""
         t = self.acceptance
         if k != self.k or k >= len(gains) or gains[k] <= 0.0 or t.now - t.drafted_at[k] <= self.config.probe_after:

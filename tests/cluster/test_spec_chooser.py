@@ -462,3 +462,16 @@ def test_a_position_no_request_drafts_is_drafted_now_and_then() -> None:
     assert _one_request_at_a_time_at(0.62, probe_after=10**9) < 0.93
     assert _one_request_at_a_time_at(0.62, probe_after=AdaptiveConfig.probe_after) >= 0.95
     assert _one_request_at_a_time_at(0.2, probe_after=AdaptiveConfig.probe_after) >= 0.98
+
+
+def test_a_probe_lasts_one_dwell_and_the_choice_returns_to_the_k_before_it() -> None:
+    """Probing k + 1 must not move the choice there by itself: with hysteresis held to the probe, a k + 1 within
+    the margin stayed (at T = 1, c = 1 on the H100 auto then ran k = 4 in a quarter of its steps, 0.89 of the
+    best k's speed)."""
+    p = np.tile([0.8, 0.5, 0.3, 0.3], (8, 1))  # rates at 10 % a draft: 1, 1.64, 1.67, 1.62, 1.56 (k = 2 best)
+    spec, rows = _spec(p, COSTS, hysteresis=0.05)
+    assert spec.choose(rows) == 2
+    spec.acceptance.now += spec.config.probe_after + 1  # nobody drafted position 3 since
+    assert spec.choose(rows) == 3  # the probe
+    assert spec.choose(rows) == 2  # k = 3 is within the margin of k = 2, not beyond it
+    assert [spec.choose(rows) for _ in range(8)] == [2] * 8  # and the next probe waits its turn
