@@ -77,17 +77,20 @@ def test_kernel_matches_reference(kernels, window, passes, batch):
         assert g.dtype == w.dtype and torch.equal(g.cpu(), w), name
 
 
-def test_kernel_reads_a_window_that_is_a_strided_view(kernels):
-    """The step passes the verified tokens as a view of its packed result; rows need not be contiguous."""
+def test_kernel_reads_accepted_and_the_window_as_strided_views(kernels):
+    """A drafter rank takes the accepted counts and the verified tokens as columns of the target's packed result
+    [B, 1 + window]: neither is contiguous (the accepted counts read at unit stride gathered out of bounds on
+    two H200s)."""
     from mtpserve.kernels.chain_layout import chain_layout
 
     tables, capacity, num_spec, slots, seq_len, accepted, emitted = _case(5, 3, 4)
-    packed = torch.cat((accepted[:, None], emitted), dim=1)
+    packed = torch.cat((accepted[:, None], emitted), dim=1).to(kernels.device)
     dev = kernels.device
-    got = chain_layout(*(a.to(dev) for a in (tables, capacity, num_spec, slots, seq_len, accepted)),
-                       packed.to(dev)[:, 1:], 2, PAGE)
-    assert torch.equal(got.tokens.cpu(), chain_layout_ref(tables, capacity, num_spec, slots, seq_len, accepted,
-                                                          emitted, 2, PAGE).tokens)
+    got = chain_layout(*(a.to(dev) for a in (tables, capacity, num_spec, slots, seq_len)), packed[:, 0],
+                       packed[:, 1:], 2, PAGE)
+    want = chain_layout_ref(tables, capacity, num_spec, slots, seq_len, accepted, emitted, 2, PAGE)
+    for name in ("positions", "slot_mapping", "tokens", "draft_at", "rows", "used"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
 
 def test_kernel_takes_an_empty_batch_and_rejects_bad_shapes(kernels):
