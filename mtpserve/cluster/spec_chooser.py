@@ -10,7 +10,8 @@ Three pieces, all numpy over the batch (no per-request Python work beyond gather
   combined with the device's at k (medians of recent timed steps, seeded by timing the captured graphs
   at start where the runner can, estimated where not measured).
 * `choose_k`: the step's k maximising expected emitted tokens per second of the whole batch, where an
-  adaptive request runs min(k, cap) drafts and a fixed one its own number; with hysteresis.
+  adaptive request runs min(k, cap) drafts and a fixed one its own number; with hysteresis, and a probe of a
+  position no request has drafted for a while (what the engine-wide prior cannot learn otherwise).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class AdaptiveConfig:
     # A position no request has drafted for this many steps is drafted for one dwell (k + 1 where the choice stays
     # at k): the engine-wide prior learns only from drafted positions, and one that a run of rejections had pulled
     # low held every later request at that k for good (a simulation of c = 1 at 0.62 a position: k = 0 from its
-    # fourth request on, 0.91 of the best k's rate; probing, 0.97).
+    # fourth request on, 0.87-0.91 of the best k's rate; probing, 0.95-0.98).
     probe_after: int = 256
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
@@ -313,8 +314,8 @@ class AdaptiveSpec:
     def _probe_up(self, k: int, gains: np.ndarray) -> int:
         """k + 1 for one dwell where the choice stays at k and no request has drafted position k + 1 for
         probe_after steps (see AdaptiveConfig.probe_after); the next choice holds to k unless, with what the
-        probe observed, k + 1 beats it by the hysteresis. A probe counts as drafting the position: where no request reaches it (its catch-up too long), the
-        next one waits its turn."""
+        probe observed, k + 1 beats it by the hysteresis. A probe counts as drafting the position: where no
+        request reaches it (its catch-up too long), the next one waits its turn."""
         t = self.acceptance
         if k != self.k or k >= len(gains) or gains[k] <= 0.0 or t.now - t.drafted_at[k] <= self.config.probe_after:
             return k

@@ -85,7 +85,7 @@ def chain_layout(
     emitted = emitted if emitted.stride(1) == 1 else emitted.contiguous()
     # The kernel reads the per-request vectors at unit stride. A drafter rank gets `accepted` as a column of the
     # target's packed result (stride 1 + window): read as it was, rows past the first took tokens for accepted
-    # counts, and module 0's read-back gathered out of bounds on two H200s (this session's run 11).
+    # counts, and module 0's read-back gathered out of bounds on two H200s (benchmarks/RESULTS.md, run 136).
     slots, seq_len, accepted = (t.contiguous() for t in (slots, seq_len, accepted))
     if not (tables.is_contiguous() and capacity.is_contiguous() and capacity.shape == (groups, num_slots)):
         raise ValueError(f"tables {tuple(tables.shape)} and capacity {tuple(capacity.shape)} must be contiguous "
