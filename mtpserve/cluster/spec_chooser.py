@@ -277,7 +277,10 @@ class AdaptiveSpec:
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0
-            self.dwell = self._dwell(time.perf_counter() - t0, float(costs[k]))
+            # A probe lasts min_dwell steps, whatever the dwell has grown to (up to max_dwell): held for a
+            # long dwell, probes every probe_after steps ran a third of a simulated c = 8 at the probed k.
+            probing = self._probed_from >= 0
+            self.dwell = self.config.min_dwell if probing else self._dwell(time.perf_counter() - t0, float(costs[k]))
         self.chosen[self.k] += 1
         return self.k
 

@@ -475,3 +475,20 @@ def test_a_probe_lasts_one_dwell_and_the_choice_returns_to_the_k_before_it() -> 
     assert spec.choose(rows) == 3  # the probe
     assert spec.choose(rows) == 2  # k = 3 is within the margin of k = 2, not beyond it
     assert [spec.choose(rows) for _ in range(8)] == [2] * 8  # and the next probe waits its turn
+
+
+def test_a_probe_lasts_min_dwell_steps_however_long_the_dwell_has_grown() -> None:
+    """The dwell grows to max_dwell where choices are dear next to the steps; a probe held that long, every
+    probe_after steps, ran a third of a simulated c = 8 at the probed k."""
+    p = np.tile([0.8, 0.5, 0.3, 0.3], (8, 1))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=4, max_dwell=64))
+    rows = np.array([spec.admit(K, True) for _ in range(8)])
+    spec.acceptance.set(rows, p.T)
+    for k, seconds in enumerate(COSTS):
+        spec.costs.observe(8, k, seconds)
+    spec._dwell = lambda choice_seconds, step_seconds: 64  # a choice as dear as the longest dwell allows
+    while spec.k != 2:
+        spec.choose(rows)
+    spec.acceptance.now += spec.config.probe_after + 64
+    ks = [spec.choose(rows) for _ in range(72)]  # the probe comes at the next full choice, 64 steps on
+    assert ks.count(3) == 4 and ks[ks.index(3) + 4] == 2, ks
