@@ -273,7 +273,8 @@ class AdaptiveSpec:
             current = self.k if self._probed_from < 0 else self._probed_from  # a probe lasts one dwell
             k = self._explore(choose_k(gains, base, floor, costs, current, self.config.hysteresis), rows.size)
             probe = self._probe_up(k, gains)
-            self._probed_from, k = (k if probe != k else -1), probe
+            self._probed_from = k if probe != k else -1
+            k = probe
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
             # chooser chose every step and auto's step took twice the fixed-k step on the H100).
             self.k, self._held = k, 0

@@ -305,9 +305,9 @@ def _host_slopes(seconds: np.ndarray, tokens: np.ndarray, ks: np.ndarray, median
     One k in the window (or too few samples of a second): b as _host_slope draws it, c None. Two or more:
     c by least squares on what the tokens leave (b from the samples within each k where they vary, else
     the slope kept from before), 0 where the fit slopes down; both None where the line would cross zero
-    before zero tokens and drafts (the host sped up or slowed down between the k's in the window). Sums
-    and bincounts, not np.unique and np.cov: a full choice calls this, and on the 2-core CPU those took
-    half again the time of the rest of the cost row."""
+    before zero tokens and drafts (the host sped up or slowed down between the k's in the window). Two k's
+    are fitted with sums and bincounts, not np.unique and np.cov: a full choice calls this, and on the 2-core
+    CPU those took half again the time of the rest of the cost row."""
     keep = seconds <= 2.0 * median
     x, y, k = tokens[keep], seconds[keep], ks[keep].astype(np.int64)
     counts = np.bincount(k)
