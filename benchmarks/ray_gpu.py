@@ -4,8 +4,9 @@
     python benchmarks/ray_gpu.py --commit SHA --results $OUT/RESULTS.md       # 2 GPUs, ~2-4 min
     python benchmarks/ray_gpu.py --device cpu --max-tokens 8 --concurrency 1  # gloo, a smoke run
 
-Three engines, one after the other (each shut down and its GPU memory freed before the next starts):
+Four engines, one after the other (each shut down and its GPU memory freed before the next starts):
   in-process    (a) the engine in this process on one GPU: the reference
+  ray tp=1      the same model on one Ray actor (use_ray): what the actor and its control channel cost
   ray tp=2      (b) two target tensor-parallel ranks as Ray actors, one GPU each, all-reducing over NCCL
   ray drafter   (c) one target rank on one GPU, the drafter group (the MTP modules, drafter_devices=1) on
                     the other, drafts crossing over NCCL send/recv
@@ -54,6 +55,7 @@ REFERENCE = "in-process"
 # name -> (EngineConfig overrides, GPUs it needs)
 CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     REFERENCE: ({}, 1),
+    "ray tp=1": ({"use_ray": True}, 1),
     "ray tp=2": ({"tensor_parallel_size": 2}, 2),
     "ray drafter": ({"drafter_devices": 1}, 2),
 }

@@ -35,7 +35,10 @@ class Executor(Protocol):
 
 
 class AsyncExecutor(Executor, Protocol):
-    """An executor that can launch a step and hand its result over later (the in-process one)."""
+    """An executor that can launch a step and hand its result over later (in-process, and Ray without a
+    drafter group: `can_overlap`)."""
+
+    can_overlap: bool
 
     def submit(self, plan: StepPlan) -> Any: ...  # a handle; handle.overlappable: a decode step in flight
 
@@ -78,7 +81,7 @@ class LLMEngine:
         self.last_stats = StepStats()
         self._aborted: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
-        self._async = r.async_scheduling and hasattr(self.executor, "submit")
+        self._async = r.async_scheduling and getattr(self.executor, "can_overlap", False)
         self._in_flight: _Step | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous one's results were read
         self.faults = FaultBudget(config.max_faults, config.fault_window_s)

@@ -17,6 +17,7 @@ import os
 import pickle
 import select
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -60,6 +61,8 @@ class RayExecutor:
         self._listener: Listener | None = None
         self._failed: str | None = None
         self._started_ray = False
+        self._launched = 0  # steps launched with `submit`
+        self._held = -1  # the one of them the workers hold unanswered (-1: none)
         try:
             self._start(resolved)
         except BaseException:
@@ -143,18 +146,44 @@ class RayExecutor:
         return done
 
     # -- steps --------------------------------------------------------------------------------------
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the engine may launch step n + 1 before it reads step n (async scheduling). Not with a
+        drafter group: a target rank takes in the group's drafts for step n + 1 only after step n's result."""
+        return self.drafters == 0
+
     def execute(self, plan: StepPlan) -> StepResult:
+        self._send("plan", plan)
+        return self._await_result()
+
+    def submit(self, plan: StepPlan) -> "InFlight":
+        """Launch a step; its result comes back once the next step is launched behind it, or on `wait`."""
+        self._send("launch", plan)
+        self._launched += 1
+        self._held = self._launched
+        return InFlight(self._launched)
+
+    def wait(self, step: "InFlight") -> StepResult:
+        if step.seq == self._held:  # nothing was launched behind it: ask for it
+            self._send("flush", None)
+            self._held = -1
+        t0 = time.perf_counter()
+        result = self._await_result()
+        # The engine's step costs take the host's share as the lap less the time it sat blocked (design §9).
+        result.blocked_seconds = time.perf_counter() - t0
+        return result
+
+    def _send(self, kind: str, plan: StepPlan | None) -> None:
         if self._failed:
             raise DeploymentError(f"the deployment has failed: {self._failed}")
         if not self._channels:
             raise DeploymentError("the executor has been shut down")
-        data = pickle.dumps(("plan", plan), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((kind, plan), protocol=pickle.HIGHEST_PROTOCOL)
         for ch, name in zip(self._channels, self._names):
             try:
                 ch.send_bytes(data)
             except OSError as e:
                 self._fail(f"{name} is unreachable ({e})")
-        return self._await_result()
 
     def _await_result(self) -> StepResult:
         by_fd, fds = self._by_fd, self._fds
@@ -234,7 +263,7 @@ class RayExecutor:
         except BaseException:
             self._stop_workers(grace=False)
             raise
-        self._failed = None
+        self._failed, self._held = None, -1  # the new workers hold nothing
 
     def inject_fault(self, rank: int, kind: str) -> None:
         """Test hook: the worker of this rank exits ("exit") or hangs ("hang") before its next step.
@@ -267,6 +296,14 @@ class RayExecutor:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step launched on the workers whose result the engine has not read."""
+
+    seq: int
+    overlappable: bool = True  # the scheduler decides whether a step may follow it (schedule_overlapped)
 
 
 def _placed(group: Any) -> bool:

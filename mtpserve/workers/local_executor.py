@@ -17,6 +17,8 @@ class LocalExecutor:
         uniform = self.runner.uniform
         self.start_step_costs = time_start_graphs(uniform) if uniform is not None and uniform.use_graphs else []
 
+    can_overlap = True  # the engine may launch step n + 1 before it reads step n
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 

@@ -128,6 +128,11 @@ class ModelRunner:
         """Steps whose uniform part ran (tests read it)."""
         return self.uniform.runs if self.uniform is not None else 0
 
+    @property
+    def num_graph_replays(self) -> int:
+        """Uniform steps replayed from CUDA graphs (tests read it)."""
+        return self.uniform.replays if self.uniform is not None else 0
+
     def on_capture(self, listener: Callable[[], None]) -> None:
         """Call `listener` before each CUDA-graph capture: a capture may compile kernels for seconds, and
         a worker tells its driver so (the step timeout must not take it for a hang)."""

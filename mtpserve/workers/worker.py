@@ -13,7 +13,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -82,28 +82,41 @@ class Worker:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def serve(self) -> None:
-        """The step loop: every worker applies every plan; target rank 0 answers."""
-        runner, ch, answer = self.runner, self.channel, self.spec.rank == 0
+        """The step loop: every worker applies every plan; target rank 0 answers.
+
+        A plan sent as "launch" (the driver overlaps steps, docs/design.md §8) is held: its result goes back
+        once the next plan is launched behind it, or when the driver asks for it ("flush"), so the device
+        runs step n + 1 while the driver reads step n. A "plan" is answered as soon as it has run."""
+        runner, ch = self.runner, self.channel
         doomed = _fault_wanted(self.spec, "step")
-        if answer and hasattr(runner, "on_capture"):
+        if self.spec.rank == 0 and hasattr(runner, "on_capture"):
             runner.on_capture(lambda: ch.send(("busy", "capturing a CUDA graph")))
+        held = None  # a launched step whose result has not been sent
         try:
             while True:
                 kind, plan = ch.recv()
                 if kind == "stop":
                     return
+                if kind == "flush":
+                    if held is not None:
+                        self._answer(held)
+                    held = None
+                    continue
                 if kind == "fault":
                     _inject(plan)
                     continue
                 if kind == "counters":  # tests: which path this rank's steps took
-                    ch.send(("counters", {"uniform_steps": runner.num_uniform_steps}))
+                    ch.send(("counters", {"uniform_steps": runner.num_uniform_steps,
+                                          "graph_replays": getattr(runner, "num_graph_replays", 0)}))
                     continue
                 if doomed and plan.req_ids:
                     os._exit(17)
-                result = runner.execute(plan)
-                if answer:
-                    ch.send(("result", result))
-                runner.finish_step()
+                launched = runner.submit(plan) if kind == "launch" else runner.execute(plan)
+                if held is not None:  # the step before: read once this one is queued behind it
+                    self._answer(held)
+                held = launched if kind == "launch" else None
+                if held is None:
+                    self._answer(launched)
         except ChannelClosed:
             return  # the driver went away: nothing left to serve
         except BaseException:
@@ -114,6 +127,14 @@ class Worker:
             raise
         finally:
             ch.close()
+
+    def _answer(self, step: Any) -> None:
+        """Read a step's result (waiting for the device where it is still running) and send it from rank 0;
+        then take in the drafts the drafter group sampled."""
+        result = self.runner.wait(step) if hasattr(self.runner, "wait") else step
+        if self.spec.rank == 0:
+            self.channel.send(("result", result))
+        self.runner.finish_step()
 
 
 def _device(configured: torch.device) -> torch.device:

@@ -37,11 +37,16 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("drafters", [0, 2], ids=["tp2-colocated", "tp2-drafters2"])
+@pytest.mark.parametrize("drafters, overlap", [(0, False), (2, False), (0, True)],
+                         ids=["tp2-colocated", "tp2-drafters2", "tp2-overlapped"])
 def test_tensor_parallel_matches_single_process(partly_trained: Path, reference: list, local_ray,
-                                                drafters: int) -> None:
-    outs, llm = generate(partly_trained, tensor_parallel_size=2, drafter_devices=drafters, **SHORT_OF_BLOCKS)
+                                                drafters: int, overlap: bool) -> None:
+    """Overlapped: the engine launches decode step n + 1 before it reads step n, and the ranks hold step n's
+    result until then (on CUDA the default; here forced on over gloo)."""
+    outs, llm = generate(partly_trained, tensor_parallel_size=2, drafter_devices=drafters, async_scheduling=overlap,
+                         **SHORT_OF_BLOCKS)
     try:
+        assert (llm.engine.num_overlapped_steps > 0) == overlap
         assert llm.engine.scheduler.num_preemptions > 0
         assert all(h > 0 for h in llm.engine.blocks.hits), "prefix-cache hits in every group, on every rank"
         assert_same_outputs(outs, reference)

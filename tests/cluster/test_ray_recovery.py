@@ -179,6 +179,20 @@ def test_streams_survive_a_lost_worker(server: ServerThread, reference: list, he
         assert c.generate(PROMPTS[0], PARAMS[0]).token_ids == reference[0][0]
 
 
+def test_an_overlapped_replica_survives_a_lost_worker(partly_trained: Path, reference: list) -> None:
+    """Steps overlapped on Ray (step n + 1 launched before step n's result is read, the default on CUDA):
+    the worker dies with a step in flight and one held; the resumed streams still equal the reference."""
+    srv = start(partly_trained, use_ray=True, async_scheduling=True, max_faults=10)
+    try:
+        outs = run_streams(srv, kill(srv, "target worker (rank 0)"))
+        assert outs == reference
+        assert srv.replica.engine_loop.call(lambda e: e.num_overlapped_steps).result(30) > 0
+        assert metric(srv, "mtpserve_worker_restarts_total") == 1
+        assert engine_idle(srv) == (True, 0)
+    finally:
+        srv.stop()
+
+
 def test_a_full_queue_while_recovering_is_unavailable_with_a_retry_hint(server: ServerThread, health: HealthLog) -> None:
     """Requests that arrive during a recovery wait; once the queue is full they get UNAVAILABLE and a hint."""
     hang(server, 0)()  # the next step hangs: the step timeout notices, recovery follows
