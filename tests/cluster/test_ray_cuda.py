@@ -59,14 +59,20 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(drafter_devices=1)],
-                         ids=["tp2-nccl", "tp1-drafter-gpu"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, cuda_graphs=False),
+                                    dict(drafter_devices=1)], ids=["tp2-nccl", "tp2-nccl-eager", "tp1-drafter-gpu"])
 def test_matches_single_gpu(reference: list[list[int]], local_ray, layout: dict) -> None:
+    """Tensor-parallel ranks replay graphs with their all-reduces captured inside (or run eagerly), with steps
+    overlapped; the drafter group's steps run serially."""
     llm = LLM(**ENGINE, **layout)
     try:
         outs = llm.generate(PROMPTS * len(KS), _params())
+        replays = [_counters(channel)["graph_replays"] for channel in llm.engine.executor._channels]
+        assert (llm.engine.num_overlapped_steps > 0) == ("drafter_devices" not in layout)
     finally:
         llm.shutdown()
+    graphed = layout.get("cuda_graphs", True)
+    assert all((n > 0) == graphed for n in replays[: layout.get("tensor_parallel_size", 1)]), replays
     for i, (o, expected) in enumerate(zip(outs, reference)):
         k = KS[i // len(PROMPTS)]
         pos = next((j for j, (a, b) in enumerate(zip(o.token_ids, expected)) if a != b), None)
@@ -74,3 +80,11 @@ def test_matches_single_gpu(reference: list[list[int]], local_ray, layout: dict)
                                          f"{pos if pos is not None else min(len(o.token_ids), len(expected))}")
     drafted = [o for o in outs[len(PROMPTS):] if o.accepted_per_step]
     assert drafted and sum(o.accepted_tokens for o in drafted) > 0, "k=3: drafts verified and some accepted"
+
+
+def _counters(channel) -> dict[str, int]:
+    """A worker's step counters, asked over its control channel between steps."""
+    channel.send(("counters", None))
+    kind, counters = channel.recv()
+    assert kind == "counters"
+    return counters
