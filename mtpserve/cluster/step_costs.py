@@ -154,6 +154,7 @@ class StepCosts:
     HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
     GAP_WINDOW = 64  # device-bound laps behind the gap's median
     DEVICE_BOUND = 0.1  # a lap is the device's period when the host waited at least this share of it
+    HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
         self.max_k, self.window = max_k, window
@@ -276,12 +277,23 @@ class StepCosts:
         self.host_draft_slopes[b] = per_draft = float(self.host_draft_slopes[b]) if per_draft is None else per_draft
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
-        slope = min(slope, float(np.median(seconds[last] / np.maximum(emitted[last], 1e-9))))
-        rest = seconds[last] - slope * emitted[last]
-        drafted = ks[last] > 0
+        now_s, now_e, now_k = seconds[last], emitted[last], ks[last]
+        slope = min(slope, float(np.median(now_s / np.maximum(now_e, 1e-9))))
+        rest = now_s - slope * now_e
+        drafted = now_k > 0
         if drafted.any():
-            per_draft = min(per_draft, float(np.median(rest[drafted] / ks[last][drafted])))
-        level = np.sort(rest - per_draft * ks[last])[(len(last) - 1) // 2]
+            per_draft = min(per_draft, float(np.median(rest[drafted] / now_k[drafted])))
+        # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
+        # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
+        # at c = 8 and 0.54 at T = 1, c = 256). A window of one k cannot tell the level from the slopes, and
+        # one that put nearly all of a greedy c = 128 step's host in its tokens and drafts priced k = 4 at
+        # 5.8x k = 0: auto ran k = 0, then caught up all 128 requests (run 143).
+        saved = float(np.median((slope * np.maximum(now_e - 1.0, 0.0) + per_draft * now_k) / np.maximum(now_s, 1e-12)))
+        if saved > 1.0 - self.HOST_KEPT:
+            scale = (1.0 - self.HOST_KEPT) / saved
+            slope, per_draft = slope * scale, per_draft * scale
+        rest = now_s - slope * now_e
+        level = np.sort(rest - per_draft * now_k)[(len(last) - 1) // 2]
         return float(level) * batch, slope, max(per_draft, 0.0), median * batch
 
 

@@ -163,6 +163,22 @@ def test_a_host_that_drifted_between_two_ks_draws_no_slope() -> None:
     assert a >= 0.0 and slope == pytest.approx(1.5e-3 / 256)
 
 
+def test_the_tokens_and_drafts_leave_the_host_a_level() -> None:
+    """A window of k = 4 alone whose host per request grew with its tokens as if nothing else cost anything (a
+    level of 0) priced a greedy c = 128 step at k = 4 at 5.8x k = 0 on the H100; auto ran k = 0 and then
+    caught up all 128 requests (run 143). Priced at k = 0, a step keeps at least HOST_KEPT of the host now."""
+    rng, batch = np.random.default_rng(1), 128
+    costs = StepCosts(K, batch)
+    costs.host_draft_slopes[costs.bucket(batch)] = 1e-5  # a steep price per draft kept from a window of two k
+    for _ in range(StepCosts.HOST_WINDOW):
+        per_request = rng.uniform(3.5, 4.5)  # greedy: tokens a request emits at k = 4
+        costs.observe(batch, 4, 1e-4, host=batch * 5e-6 * per_request, overlapped=True, tokens=batch * per_request)
+    tokens = batch * np.array([1.0, 1.9, 2.7, 3.5, 4.1])
+    host = costs.host(batch, tokens)
+    assert host[4] / host[0] == pytest.approx(1 / StepCosts.HOST_KEPT, rel=0.01)  # medians of the newest samples
+    assert choose_k(np.diff(tokens), tokens[0], 0, host, current=4) == 4
+
+
 def test_a_bucket_without_host_samples_borrows_the_nearest_ones_scaled_by_batch() -> None:
     costs = StepCosts(K, 256)
     for _ in range(16):
