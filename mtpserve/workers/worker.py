@@ -114,8 +114,10 @@ class Worker:
                 launched = runner.submit(plan) if kind == "launch" else runner.execute(plan)
                 if held is not None:  # the step before: read once this one is queued behind it
                     self._answer(held)
-                held = launched if kind == "launch" else None
-                if held is None:
+                if kind == "launch":
+                    held = launched
+                else:
+                    held = None
                     self._answer(launched)
         except ChannelClosed:
             return  # the driver went away: nothing left to serve
