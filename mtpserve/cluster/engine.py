@@ -35,8 +35,7 @@ class Executor(Protocol):
 
 
 class AsyncExecutor(Executor, Protocol):
-    """An executor that can launch a step and hand its result over later (in-process, and Ray without a
-    drafter group: `can_overlap`)."""
+    """An executor that can launch a step and hand its result over later (`can_overlap`: in-process and Ray)."""
 
     can_overlap: bool
 

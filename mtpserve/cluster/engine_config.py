@@ -46,7 +46,7 @@ class EngineConfig:
     capture_graphs_at_start: bool = True  # k=0 and the default k, every batch bucket; False: on first use only
     prefill_step_rows: int = 4096  # prompt chunks run as fixed-shape (graphed) steps up to this many padded rows; 0: off
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
-    async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA (not with a drafter group)
+    async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA
     enable_prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes, in every KV group
     # Ray deployment (tensor_parallel_size > 1, drafter_devices > 0 or use_ray):
     ray_address: str | None = None  # None: ray.init()'s default (RAY_ADDRESS, else a local instance)

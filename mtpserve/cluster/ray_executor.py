@@ -146,11 +146,7 @@ class RayExecutor:
         return done
 
     # -- steps --------------------------------------------------------------------------------------
-    @property
-    def can_overlap(self) -> bool:
-        """Whether the engine may launch step n + 1 before it reads step n (async scheduling). Not with a
-        drafter group: a target rank takes in the group's drafts for step n + 1 only after step n's result."""
-        return self.drafters == 0
+    can_overlap = True  # the engine may launch step n + 1 before it reads step n (async scheduling)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._send("plan", plan)

@@ -190,6 +190,10 @@ class DrafterRunner:
             hidden = recv([torch.empty(total, self.hidden, dtype=self.dtype, device=self.device)], 0)[0]
         return reqs, lay.final, TargetRows(hidden, lay.first_row, lay.starts)
 
+    def submit(self, plan: StepPlan) -> None:
+        """A launched (overlapped) step: as `execute`, a drafter rank hands nothing back to the driver."""
+        self.execute(plan)
+
     def finish_step(self) -> None:
         pass
 

@@ -99,7 +99,7 @@ class Worker:
                     return
                 if kind == "flush":
                     if held is not None:
-                        self._answer(held)
+                        self._answer(held, took_drafts=True)
                     held = None
                     continue
                 if kind == "fault":
@@ -111,14 +111,20 @@ class Worker:
                     continue
                 if doomed and plan.req_ids:
                     os._exit(17)
-                launched = runner.submit(plan) if kind == "launch" else runner.execute(plan)
+                if kind == "launch":
+                    launched = runner.submit(plan)
+                    # The drafter group's drafts for this step (queued on the device: no wait on CUDA) come in
+                    # before any step behind it is launched, which verifies them.
+                    runner.finish_step()
+                else:
+                    launched = runner.execute(plan)
                 if held is not None:  # the step before: read once this one is queued behind it
-                    self._answer(held)
+                    self._answer(held, took_drafts=True)
                 if kind == "launch":
                     held = launched
                 else:
                     held = None
-                    self._answer(launched)
+                    self._answer(launched, took_drafts=False)
         except ChannelClosed:
             return  # the driver went away: nothing left to serve
         except BaseException:
@@ -130,13 +136,14 @@ class Worker:
         finally:
             ch.close()
 
-    def _answer(self, step: Any) -> None:
+    def _answer(self, step: Any, took_drafts: bool) -> None:
         """Read a step's result (waiting for the device where it is still running) and send it from rank 0;
-        then take in the drafts the drafter group sampled."""
+        then, unless already done at its launch, take in the drafts the drafter group sampled."""
         result = self.runner.wait(step) if hasattr(self.runner, "wait") else step
         if self.spec.rank == 0:
             self.channel.send(("result", result))
-        self.runner.finish_step()
+        if not took_drafts:
+            self.runner.finish_step()
 
 
 def _device(configured: torch.device) -> torch.device:

@@ -99,6 +99,9 @@ LAYOUTS = {
     "tp2-G2-depth3": ("partly_trained", dict(tensor_parallel_size=2, drafter_devices=2)),  # modules 0, 2 | 1
     "tp1-G2-depth2": ("two_modules", dict(drafter_devices=2)),  # k = 3 recurses on module 1's rank
     "tp1-G1-recursive": ("partly_trained", dict(drafter_devices=1, mtp_chain="recursive")),
+    # Steps overlapped (the default on CUDA): each target rank takes in the group's drafts for step n right
+    # after launching it, before step n + 1 (launched before step n is read) verifies them.
+    "tp1-G1-overlapped": ("partly_trained", dict(drafter_devices=1, async_scheduling=True)),
 }
 
 
@@ -115,5 +118,6 @@ def test_group_replica_takes_uniform_steps_and_matches_single_process(request: p
         counts = _uniform_steps(llm)
         assert counts[0] > 50, "most decode steps must be uniform for this test to bite"
         assert counts == [counts[0]] * len(counts), f"every rank takes the same uniform steps: {counts}"
+        assert (llm.engine.num_overlapped_steps > 0) == bool(group.get("async_scheduling"))
     finally:
         llm.shutdown()
