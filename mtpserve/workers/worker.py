@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mtpserve.boundary.channel import Channel, ChannelClosed
+from mtpserve.boundary.messages import StepPlan
 from mtpserve.errors import CheckpointError
 from mtpserve.workers.heap import freeze_startup_heap
 from mtpserve.workers.drafter_group import DrafterRunner, TargetDraftLink
@@ -111,20 +112,7 @@ class Worker:
                     continue
                 if doomed and plan.req_ids:
                     os._exit(17)
-                if kind == "launch":
-                    launched = runner.submit(plan)
-                    # The drafter group's drafts for this step (queued on the device: no wait on CUDA) come in
-                    # before any step behind it is launched, which verifies them.
-                    runner.finish_step()
-                else:
-                    launched = runner.execute(plan)
-                if held is not None:  # the step before: read once this one is queued behind it
-                    self._answer(held, took_drafts=True)
-                if kind == "launch":
-                    held = launched
-                else:
-                    held = None
-                    self._answer(launched, took_drafts=False)
+                held = self._run(plan, held, hold=kind == "launch")
         except ChannelClosed:
             return  # the driver went away: nothing left to serve
         except BaseException:
@@ -135,6 +123,23 @@ class Worker:
             raise
         finally:
             ch.close()
+
+    def _run(self, plan: StepPlan, held: Any, hold: bool) -> Any:
+        """Run a plan; answer the step held before it once this one is queued behind it. Returns the step now
+        held: this one when `hold`, else None (answered at once)."""
+        if hold:
+            step = self.runner.submit(plan)
+            # The drafter group's drafts for this step (queued on the device: no wait on CUDA) come in before
+            # any step behind it is launched, which verifies them.
+            self.runner.finish_step()
+        else:
+            step = self.runner.execute(plan)
+        if held is not None:
+            self._answer(held, took_drafts=True)
+        if hold:
+            return step
+        self._answer(step, took_drafts=False)
+        return None
 
     def _answer(self, step: Any, took_drafts: bool) -> None:
         """Read a step's result (waiting for the device where it is still running) and send it from rank 0;

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 if not torch.cuda.is_available() or not dist.is_nccl_available():
-    pytest.skip("needs a CUDA GPU and NCCL: graphs capture NCCL collectives", allow_module_level=True)
+    pytest.skip("needs a CUDA GPU with NCCL: CUDA graphs and the NCCL collectives captured in them exist only "
+                "there (tests/cluster/test_ray_equivalence.py runs tensor parallelism on the CPU over gloo)",
+                allow_module_level=True)
 
 from mtpserve import SamplingParams  # noqa: E402
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
