@@ -49,7 +49,7 @@ import common  # noqa: E402
 from common import Table, check, gb  # noqa: E402
 from lean_step import LeanStep  # noqa: E402
 from step_profile import draft_profile_table, profile_table  # noqa: E402
-from mtpserve.kernels import linear_dispatch  # noqa: E402
+from mtpserve.kernels import linear_dispatch, pdl  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                                 draft / floor_ms, overlapped, overlapped / floor_ms)
                 print(f"[{mode}] batch {batch:3d} one draft position: {draft:.3f} ms, floor {floor_ms:.3f} ms")
 
+    for key, choice in sorted(linear_dispatch.table().items()):  # which GEMM each shape ran, for the profile
+        print(f"dispatch {key}: skinny {choice.skinny_us:.1f} us {choice.config}, cuBLAS {choice.cublas_us:.1f} us -> "
+              f"{'skinny' if choice.skinny_wins else 'cuBLAS'}")
     tables, profile_notes = [table, lean_table] + ([draft_table] if len(model.mtp) else []), []
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
@@ -373,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
              "ceiling if every draft were accepted",
              "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth",
              f"gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: {args.skinny_gemm}"
-             + (f", table {args.skinny_table}" if args.skinny_table else "")] + profile_notes
+             + (f", table {args.skinny_table}" if args.skinny_table else ""),
+             f"programmatic dependent launch (MTPSERVE_PDL): {'on' if pdl.enabled(device) else 'off'}"] + profile_notes
     common.report(args, "step_benchmark", device, tables, notes)
     return 0
 

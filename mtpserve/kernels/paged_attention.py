@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpserve.kernels import pdl
+from mtpserve.kernels.pdl import wait_previous
+
 _LOG2E = 1.4426950408889634
 
 
@@ -129,8 +132,9 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
@@ -297,7 +301,7 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, PAGE=page, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, PAGE=page, DOT_PRECISION=precision, UPCAST=upcast, PDL=pdl.enabled(q.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(q.device),
     )
     return out

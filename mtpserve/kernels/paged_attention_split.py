@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpserve.kernels import pdl
+from mtpserve.kernels.pdl import wait_previous
+
 from mtpserve.kernels.paged_attention import _LOG2E, _attend_range, _load_queries, check_paged_inputs, sm_count
 
 MAX_WINDOW = 16  # queries per request (1 + drafts) this kernel takes; longer ones go to paged_attention
@@ -33,8 +36,9 @@ def _split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,8 +85,9 @@ def _split_kernel(
 def _merge_kernel(
     out_ptr, acc_ptr, m_ptr, l_ptr,
     stride_ot, stride_oh, stride_at, stride_as, stride_ah, stride_mt, stride_ms,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
@@ -167,13 +172,13 @@ def paged_attention_split(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE=page,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=4 if block_m <= 64 else 8, num_stages=num_stages,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast, PDL=pdl.enabled(q.device),
+        num_warps=4 if block_m <= 64 else 8, num_stages=num_stages, **pdl.launch(q.device),
     )
     _merge_kernel[(num_tokens, num_heads)](
         out, acc, stats[0], stats[1],
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(1), stats.stride(2),
         NUM_SPLITS=num_splits, SPLITS_P=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-        num_warps=2 if head_dim <= 64 else 4,
+        PDL=pdl.enabled(q.device), num_warps=2 if head_dim <= 64 else 4, **pdl.launch(q.device),
     )
     return out

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpserve.kernels import pdl
+from mtpserve.kernels.pdl import wait_previous
+
 
 @triton.jit
 def _normed_rotated(src, w_ptr, cos_row, sin_row, eps,
@@ -48,8 +51,9 @@ def _qk_norm_rope_store_kernel(
     eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
-    REST_P: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
+    REST_P: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -118,6 +122,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, D=head_dim, HALF=half, HALF_P=triton.next_power_of_2(half), REST=rest,
-        REST_P=max(1, triton.next_power_of_2(rest)), PAGE=k_cache.shape[1], NORM=norm, num_warps=1,
+        REST_P=max(1, triton.next_power_of_2(rest)), PAGE=k_cache.shape[1], NORM=norm, PDL=pdl.enabled(q.device),
+        num_warps=1, **pdl.launch(q.device),
     )
     return q_out

@@ -16,13 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpserve.kernels import pdl
+from mtpserve.kernels.pdl import wait_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
     out_ptr, sum_ptr, x_ptr, res_ptr, w_ptr, eps, rows_per_token,
     stride_xt, stride_xr, stride_rt, stride_rr, stride_ot, stride_or, stride_st, stride_sr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     row = tl.program_id(0)
     token = (row // rows_per_token).to(tl.int64)
     r = (row % rows_per_token).to(tl.int64)
@@ -61,8 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             out, summed, rows3, res3, weight, eps, rows_per_token,
             rows3.stride(0), rows3.stride(1), res3.stride(0), res3.stride(1),
             out.stride(0), out.stride(1), summed.stride(0), summed.stride(1),
-            D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block // 256)),
+            D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None, PDL=pdl.enabled(x.device),
+            num_warps=min(16, max(1, block // 256)), **pdl.launch(x.device),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, summed.view(x.shape))

@@ -11,9 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpserve.kernels import pdl
+from mtpserve.kernels.pdl import wait_previous
+
 
 @triton.jit
-def _silu_mul_kernel(out_ptr, x_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(out_ptr, x_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
@@ -33,5 +37,6 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if out.numel():
         block = min(block, triton.next_power_of_2(inter))
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            out, gate_up, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            out, gate_up, gate_up.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl.enabled(gate_up.device),
+            num_warps=4, **pdl.launch(gate_up.device))
     return out

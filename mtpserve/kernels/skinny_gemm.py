@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpserve.kernels import pdl
+from mtpserve.kernels.pdl import wait_previous
+
 MAX_ROWS = 256  # beyond this, a step is not weight-streaming any more: F.linear (cuBLAS) takes it
 
 
@@ -95,14 +98,44 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@triton.jit
+def _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] weights at columns ks (w_rows: [BLOCK_N, 1] row pointers)."""
+    if EVEN_K:  # no K mask: the masks left are constant along K, so loads stay vectorised
+        if EVEN_N:  # the weight stream (all of the traffic) unpredicated
+            w = tl.load(w_rows + ks[None, :])
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < k_hi)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_M] of x^T at rows ks (x_cols: [1, BLOCK_M] row pointers of x)."""
+    if EVEN_K:
+        xt = tl.load(x_cols + ks[:, None], mask=m_mask[None, :], other=0.0)
+    else:
+        xt = tl.load(x_cols + ks[:, None], mask=(ks < k_hi)[:, None] & m_mask[None, :], other=0.0)
+    return xt
+
+
+@triton.jit
+def _mma(w, xt, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        w, xt = w.to(tl.float32), xt.to(tl.float32)
+    return tl.dot(w, xt, acc, input_precision=PRECISION)
+
+
 @triton.jit(do_not_specialize=["M", "k_tiles"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, k_tiles,  # k_tiles: BLOCK_K tiles per split
+    M, N, K, k_tiles,  # k_tiles: BLOCK_K tiles per split (at least one)
     stride_xm, stride_wn, stride_ym, stride_ys,  # stride_ys: between splits' partials (PARTIAL only)
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
     split = tl.program_id(1)
@@ -112,22 +145,17 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(K, k_lo + k_tiles * BLOCK_K)
     w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + ms[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_M]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    # The first tile is peeled: its weights (no kernel of a step writes them) stream in before the wait
+    # for the previous kernel, whose output x is.
+    ks = tl.max_contiguous(tl.multiple_of(k_lo + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
+    wait_previous(PDL)
+    acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32),
+               PRECISION, UPCAST)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-        if EVEN_K:  # no K mask: the masks left are constant along K, so loads stay vectorised
-            if EVEN_N:  # the weight stream (all of the traffic) unpredicated
-                w = tl.load(w_rows + ks[None, :])  # [BLOCK_N, BLOCK_K]
-            else:
-                w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
-            xt = tl.load(x_cols + ks[:, None], mask=m_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
-        else:
-            k_mask = ks < k_hi
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = tl.load(x_cols + ks[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if UPCAST:
-            w, xt = w.to(tl.float32), xt.to(tl.float32)
-        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
+        acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), acc, PRECISION, UPCAST)
     out_mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:  # fp32 partial of this K range; _sum_splits_kernel finishes the job
         out = y_ptr + split.to(tl.int64) * stride_ys + ms[None, :].to(tl.int64) * stride_ym + ns[:, None]
@@ -141,7 +169,8 @@ def _skinny_gemm_kernel(
 
 @triton.jit(do_not_specialize=["splits"])
 def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, stride_ym,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     ns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = ns < N
@@ -188,11 +217,11 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl.enabled(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device),
     )
     if partial:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(m, triton.cdiv(n, block))](
             out, bias if bias is not None else y, y, n, splits, out.stride(0), out.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl.enabled(x.device), num_warps=4, **pdl.launch(x.device))
     return y
