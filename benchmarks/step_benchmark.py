@@ -365,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         profile_notes.append(f"profiled step's floors: weights {w / bw * 1e3:.2f} ms (what [all GEMM] could reach), "
                              f"KV {kv / bw * 1e3:.2f} ms ([all attention + KV store]); the step's own time (kernels "
                              "and the gaps between them) is in the first table")
+        if pdl.enabled(device):
+            profile_notes.append("with programmatic dependent launch a kernel's time includes its wait for the one "
+                                 "before it: MTPSERVE_PDL=0 profiles each kernel alone")
 
     notes = [f"target: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
              f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
