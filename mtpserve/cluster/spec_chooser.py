@@ -29,7 +29,12 @@ class AdaptiveConfig:
     max_k: int  # the largest k any request may run (adaptive requests' cap)
     max_rows: int  # concurrent requests tracked (max_num_seqs)
     decay: float = 0.2  # weight of one observation in a request's estimate (a topic change shows in ~5 steps)
-    prior_decay: float = 0.02  # weight of one step's batch mean in the engine-wide prior, once it has settled
+    # The weight of one observation in the engine-wide prior, once it has settled: a step moves it as much as
+    # the observations it holds. Weighted per step (0.02), the prior was the last ~50 steps: at c = 1 one
+    # request's run of rejections, and the next requests started at k = 0, where nothing is observed (a
+    # simulation of c = 1 at T = 1 on the H100's costs: 0.94-0.99 of the best fixed k; per observation,
+    # 0.98-1.0). At c = 256 it is still about the last two steps.
+    prior_decay: float = 0.002
     prior_weight: float = 4.0  # the initial prior counts as this many batch means (until then, a plain mean)
     # The prior before anything was observed: optimistic, because a k set too high shows at once (its drafts
     # get rejected) and going down is free, while a k set too low never sees the positions it skips.
@@ -185,13 +190,15 @@ class AcceptanceTable:
 
     def _fold_prior(self, step_starts: np.ndarray, seen: np.ndarray, hit: np.ndarray) -> None:
         """Each step moves the prior toward its batch mean per position it saw, by a weight that is a plain
-        running mean's until prior_decay takes over (the engine-wide figure settles within a few steps, so
-        the requests that start from it do not run for long at the initial guess)."""
+        running mean's until that of its observations (prior_decay each) takes over (the engine-wide figure
+        settles within a few steps, so the requests that start from it do not run for long at the initial
+        guess)."""
         counts = np.add.reduceat(seen.astype(np.float64), step_starts, axis=0)  # [S, K]
         means = np.add.reduceat(hit.astype(np.float64), step_starts, axis=0) / np.maximum(counts, 1.0)
         saw = counts > 0
         steps = self.prior_steps + np.cumsum(saw, axis=0)  # prior_steps after each step
-        a = saw * np.maximum(self.config.prior_decay, 1.0 / (self.config.prior_weight + steps))
+        per_step = 1.0 - (1.0 - self.config.prior_decay) ** counts
+        a = saw * np.maximum(per_step, 1.0 / (self.config.prior_weight + steps))
         after = np.cumprod(np.vstack((np.ones((1, a.shape[1])), (1.0 - a)[:0:-1])), axis=0)[::-1]  # prod_{u > t}
         self.prior = self.prior * (1.0 - a[0]) * after[0] + (a * means * after).sum(axis=0)
         self.prior_steps = steps[-1]
