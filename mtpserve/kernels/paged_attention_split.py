@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from mtpserve.kernels import pdl
-from mtpserve.kernels.pdl import wait_previous
-
 from mtpserve.kernels.paged_attention import _LOG2E, _attend_range, _load_queries, check_paged_inputs, sm_count
+from mtpserve.kernels.pdl import wait_previous
 
 MAX_WINDOW = 16  # queries per request (1 + drafts) this kernel takes; longer ones go to paged_attention
 _MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in merging than it gains

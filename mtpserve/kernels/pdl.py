@@ -10,8 +10,9 @@ only what no kernel of the step writes (weights) and writes nothing. `wait_previ
 previous grid, and that grid itself waited for its own predecessor before it could finish, so a PDL
 kernel also sees everything written before it in stream order. It then lets its own successor launch.
 
-`MTPSERVE_PDL=0` turns it off (A/B timing); it is off on the CPU, under TRITON_INTERPRET=1, before
-compute capability 9.0, and with a Triton whose launcher lacks the option.
+`MTPSERVE_PDL=0` at start (or `set_enabled(False)`, for A/B timing in one process) turns it off; it is off
+on the CPU, under TRITON_INTERPRET=1, before compute capability 9.0, and with a Triton whose launcher lacks
+the option. Eager steps ask for every launch, so asking costs a global read and a cache hit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without grid dependency control: `supported` is False, the calls never compile
+except ImportError:  # a Triton without grid dependency control: _supported is False, the calls never compile
     gdc_launch_dependents = gdc_wait = None
 
 
@@ -38,11 +39,18 @@ def wait_previous(PDL: tl.constexpr):
 
 
 _INTERPRETED = not isinstance(wait_previous, triton.runtime.jit.JITFunction)
+_wanted = os.environ.get("MTPSERVE_PDL", "1") != "0"
+
+
+def set_enabled(on: bool) -> None:
+    """Launch with PDL where supported (True, the default) or never; graphs captured before keep theirs."""
+    global _wanted
+    _wanted = on
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (the PDL constexpr their wrappers pass)."""
-    if device.type != "cuda" or _INTERPRETED or os.environ.get("MTPSERVE_PDL", "1") == "0":
+    if not _wanted or device.type != "cuda" or _INTERPRETED:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -25,12 +25,16 @@ def _pdl_reason() -> str | None:
 
 
 @pytest.mark.skipif(_pdl_reason() is not None, reason=_pdl_reason() or "")
-def test_environment_turns_pdl_off(monkeypatch):
+def test_pdl_can_be_turned_off():
     device = torch.device("cuda")
     if not pdl.enabled(device):
         pytest.skip("this Triton's launcher has no launch_pdl option")
-    monkeypatch.setenv("MTPSERVE_PDL", "0")
-    assert not pdl.enabled(device) and pdl.launch(device) == {}
+    try:
+        pdl.set_enabled(False)
+        assert not pdl.enabled(device) and pdl.launch(device) == {}
+    finally:
+        pdl.set_enabled(True)
+    assert pdl.enabled(device) and pdl.launch(device) == {"launch_pdl": True}
 
 
 def _mlp(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +50,7 @@ def _mlp(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor]) -> tupl
 
 @pytest.mark.skipif(_pdl_reason() is not None, reason=_pdl_reason() or "")
 @pytest.mark.parametrize("rows", [1, 8, 33])
-def test_pdl_chain_matches_plain_launches_in_a_graph(monkeypatch, rows):
+def test_pdl_chain_matches_plain_launches_in_a_graph(rows):
     device = torch.device("cuda")
     if not pdl.enabled(device):
         pytest.skip("this Triton's launcher has no launch_pdl option")
@@ -58,9 +62,11 @@ def test_pdl_chain_matches_plain_launches_in_a_graph(monkeypatch, rows):
 
     w = {"norm": rand(hidden), "gate_up": rand(2 * inter, hidden) / 32, "down": rand(hidden, inter) / 64}
     inputs = [(rand(rows, hidden), rand(rows, hidden)) for _ in range(3)]
-    monkeypatch.setenv("MTPSERVE_PDL", "0")
-    plain = [_mlp(x, r, w) for x, r in inputs]
-    monkeypatch.setenv("MTPSERVE_PDL", "1")
+    try:
+        pdl.set_enabled(False)
+        plain = [_mlp(x, r, w) for x, r in inputs]
+    finally:
+        pdl.set_enabled(True)
     for (x, r), (out, summed) in zip(inputs, plain):  # eager, PDL on
         got, got_sum = _mlp(x, r, w)
         assert torch.equal(got, out) and torch.equal(got_sum, summed)
