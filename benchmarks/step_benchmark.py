@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{mode}] batch {batch:3d} one draft position: {draft:.3f} ms, floor {floor_ms:.3f} ms")
 
     for key, choice in sorted(linear_dispatch.table().items()):  # which GEMM each shape ran, for the profile
+        if not choice.config:  # no memory to measure it, or no config fits: cuBLAS
+            print(f"dispatch {key}: not measured -> cuBLAS")
+            continue
         print(f"dispatch {key}: skinny {choice.skinny_us:.1f} us {choice.config}, cuBLAS {choice.cublas_us:.1f} us -> "
               f"{'skinny' if choice.skinny_wins else 'cuBLAS'}")
     tables, profile_notes = [table, lean_table] + ([draft_table] if len(model.mtp) else []), []
@@ -378,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
              "lean = lean verify (k+1 tokens) + k lean draft steps, timed in this run; tok/s @AL=k+1 is the "
              "ceiling if every draft were accepted",
              "floor = (target weights w/o embedding + per draft (module + LM head) + KV read) / bandwidth",
-             f"gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: {args.skinny_gemm}"
-             + (f", table {args.skinny_table}" if args.skinny_table else ""),
+             "gemm = linear dispatch mode (MTPSERVE_SKINNY_GEMM; off = cuBLAS everywhere); modes timed: "
+             + args.skinny_gemm + (f", table {args.skinny_table}" if args.skinny_table else ""),
              f"programmatic dependent launch (MTPSERVE_PDL): {'on' if pdl.enabled(device) else 'off'}"] + profile_notes
     common.report(args, "step_benchmark", device, tables, notes)
     return 0

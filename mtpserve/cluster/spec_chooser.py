@@ -29,11 +29,11 @@ class AdaptiveConfig:
     max_k: int  # the largest k any request may run (adaptive requests' cap)
     max_rows: int  # concurrent requests tracked (max_num_seqs)
     decay: float = 0.2  # weight of one observation in a request's estimate (a topic change shows in ~5 steps)
-    # The weight of one observation in the engine-wide prior, once it has settled: a step moves it as much as
-    # the observations it holds. Weighted per step (0.02), the prior was the last ~50 steps: at c = 1 one
-    # request's run of rejections, and the next requests started at k = 0, where nothing is observed (a
-    # simulation of c = 1 at T = 1 on the H100's costs: 0.94-0.99 of the best fixed k; per observation,
-    # 0.98-1.0). At c = 256 it is still about the last two steps.
+    # The weight of one observation in the engine-wide prior, once it has settled: a step moves the prior as
+    # much as the observations it holds (about the last 500). Weighted 0.02 a step instead, with one request
+    # running (concurrency 1) the prior followed that request alone; after a run of rejections the next
+    # requests started at k = 0, where nothing is observed. Simulated one request at a time at 0.62 a
+    # position (test_spec_chooser.py): 0.87-0.99 of the best k's rate per step, 0.99-1.0 per observation.
     prior_decay: float = 0.002
     prior_weight: float = 4.0  # the initial prior counts as this many batch means (until then, a plain mean)
     # The prior before anything was observed: optimistic, because a k set too high shows at once (its drafts
@@ -44,9 +44,9 @@ class AdaptiveConfig:
     # one request, must not send a whole step to k = 0, where nothing is observed until the next choice.
     prior_strength: float = 5.0
     # A position no request has drafted for this many steps is drafted for one dwell (k + 1 where the choice stays
-    # at k): the engine-wide prior learns only from drafted positions, and one that a run of rejections had pulled
-    # low held every later request at that k for good (a simulation of c = 1 at 0.62 a position: k = 0 from its
-    # fourth request on, 0.87-0.91 of the best k's rate; probing, 0.95-0.98).
+    # at k): the engine-wide prior learns only from drafted positions, and after requests whose drafts did not pay
+    # it held every later request at k = 0 for good, though acceptance had risen (simulated, 0.1 a position for
+    # eight requests and then 0.8: 0.74 of the best k's rate without probes, 0.96 with them).
     probe_after: int = 256
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)

@@ -301,7 +301,7 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, PAGE=page, DOT_PRECISION=precision, UPCAST=upcast, PDL=pdl.enabled(q.device),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch(q.device),
+        HEAD_DIM=head_dim, PAGE=page, DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device),
     )
     return out

@@ -171,13 +171,13 @@ def paged_attention_split(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE=page,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast, PDL=pdl.enabled(q.device),
-        num_warps=4 if block_m <= 64 else 8, num_stages=num_stages, **pdl.launch(q.device),
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=4 if block_m <= 64 else 8, num_stages=num_stages, **pdl.options(q.device),
     )
     _merge_kernel[(num_tokens, num_heads)](
         out, acc, stats[0], stats[1],
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(1), stats.stride(2),
         NUM_SPLITS=num_splits, SPLITS_P=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-        PDL=pdl.enabled(q.device), num_warps=2 if head_dim <= 64 else 4, **pdl.launch(q.device),
+        num_warps=2 if head_dim <= 64 else 4, **pdl.options(q.device),
     )
     return out

@@ -5,13 +5,15 @@ SMs idle while the first one's last programs finish and the second one's program
 issue their first loads. Launched with PDL, the second kernel's programs are placed on the SMs the first
 one frees and wait there (`griddepcontrol.wait`) until it has completed and its writes are visible.
 
-The contract every kernel launched with `launch()`'s options keeps: before `wait_previous`, it reads
-only what no kernel of the step writes (weights) and writes nothing. `wait_previous` waits for the whole
-previous grid, and that grid itself waited for its own predecessor before it could finish, so a PDL
-kernel also sees everything written before it in stream order. It then lets its own successor launch.
+The contract every kernel launched with `options()` keeps: before `wait_previous`, it reads only what no
+kernel of the step writes (weights) and writes nothing. (Only the kernel just before could still be
+writing, but which kernel that is depends on the model and the dispatch: weights are what is safe.)
+`wait_previous` waits for the whole previous grid, and that grid itself waited for its own predecessor
+before it could finish, so a PDL kernel also sees everything written before it in stream order. It then
+lets its own successor launch.
 
 `MTPSERVE_PDL=0` at start (or `set_enabled(False)`, for A/B timing in one process) turns it off; it is off
-on the CPU, under TRITON_INTERPRET=1, before compute capability 9.0, and with a Triton whose launcher lacks
+on the CPU, under TRITON_INTERPRET=1, before compute capability 9.0, on ROCm, and with a Triton whose launcher lacks
 the option. Eager steps ask for every launch, so asking costs a global read and a cache hit.
 """
 
@@ -55,14 +57,15 @@ def enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch(device: torch.device) -> dict[str, bool]:
-    """Extra launch options for a kernel that calls wait_previous(PDL=enabled(device))."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def options(device: torch.device) -> dict[str, bool]:
+    """A launch's PDL constexpr and option, decided once: **options(device) in the kernel's call (a kernel
+    compiled without the wait must never launch with PDL, whatever set_enabled does meanwhile)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
 @lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    if gdc_wait is None or torch.cuda.get_device_capability(index) < (9, 0):
+    if gdc_wait is None or torch.version.hip is not None or torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

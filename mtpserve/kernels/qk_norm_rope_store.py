@@ -122,7 +122,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, D=head_dim, HALF=half, HALF_P=triton.next_power_of_2(half), REST=rest,
-        REST_P=max(1, triton.next_power_of_2(rest)), PAGE=k_cache.shape[1], NORM=norm, PDL=pdl.enabled(q.device),
-        num_warps=1, **pdl.launch(q.device),
+        REST_P=max(1, triton.next_power_of_2(rest)), PAGE=k_cache.shape[1], NORM=norm, num_warps=1,
+        **pdl.options(q.device),
     )
     return q_out

@@ -65,8 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             out, summed, rows3, res3, weight, eps, rows_per_token,
             rows3.stride(0), rows3.stride(1), res3.stride(0), res3.stride(1),
             out.stride(0), out.stride(1), summed.stride(0), summed.stride(1),
-            D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None, PDL=pdl.enabled(x.device),
-            num_warps=min(16, max(1, block // 256)), **pdl.launch(x.device),
+            D=d, BLOCK_D=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(1, block // 256)), **pdl.options(x.device),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, summed.view(x.shape))

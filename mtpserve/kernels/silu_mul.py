@@ -37,6 +37,6 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if out.numel():
         block = min(block, triton.next_power_of_2(inter))
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            out, gate_up, gate_up.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl.enabled(gate_up.device),
-            num_warps=4, **pdl.launch(gate_up.device))
+            out, gate_up, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+            **pdl.options(gate_up.device))
     return out

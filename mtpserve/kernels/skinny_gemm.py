@@ -204,8 +204,8 @@ def skinny_gemm(
         return y
     cfg = config or default_config(m, n, k, num_sms(x.device))
     bm = block_m(m)
-    k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split)  # the last split may get fewer (or none)
-    splits = triton.cdiv(triton.cdiv(k, cfg.block_k), k_tiles)
+    k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split)  # the last split may get fewer
+    splits = triton.cdiv(triton.cdiv(k, cfg.block_k), k_tiles)  # each with at least one tile: the kernel peels it
     partial = splits > 1
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     # The interpreter's tl.dot multiplies bf16 tiles' raw storage: widen the operands to fp32 there.
@@ -217,11 +217,11 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        PDL=pdl.enabled(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
     if partial:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(m, triton.cdiv(n, block))](
             out, bias if bias is not None else y, y, n, splits, out.stride(0), out.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl.enabled(x.device), num_warps=4, **pdl.launch(x.device))
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl.options(x.device))
     return y

@@ -1,19 +1,32 @@
 """Programmatic dependent launch (mtpserve/kernels/pdl.py): off where it cannot run, and on a Hopper GPU a chain
-of PDL kernels (a decoder MLP's shape: norm, GEMM with split-K, SwiGLU, GEMM, norm with residual), eager and
-replayed in a CUDA graph with changing inputs, gives bit for bit what the same kernels give launched plainly.
+of PDL kernels (a decoder MLP's shape: norm, GEMM with split-K, SwiGLU, GEMM, norm with residual; even and
+ragged widths), eager and replayed in a CUDA graph with changing inputs, gives bit for bit what the same
+kernels give launched plainly. The attention and q/k norm kernels launch with PDL in their own compiled
+tests (tests/kernels/test_paged_attention*.py, test_qk_norm_rope_store.py), PDL being on by default there.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from mtpserve.kernels import pdl
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by conftest.py before this module is imported
+
 
 def test_pdl_is_off_on_the_cpu():
     assert not pdl.enabled(torch.device("cpu"))
-    assert pdl.launch(torch.device("cpu")) == {}
+    assert pdl.options(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="this process compiles the kernels: CPU runs, with TRITON_INTERPRET=1, "
+                                          "check the interpreter")
+def test_pdl_is_off_under_the_interpreter():
+    """Interpreted kernels cannot run griddepcontrol, whatever device a tensor claims."""
+    assert not pdl.enabled(torch.device("cuda"))
 
 
 def _pdl_reason() -> str | None:
@@ -31,10 +44,10 @@ def test_pdl_can_be_turned_off():
         pytest.skip("this Triton's launcher has no launch_pdl option")
     try:
         pdl.set_enabled(False)
-        assert not pdl.enabled(device) and pdl.launch(device) == {}
+        assert not pdl.enabled(device) and pdl.options(device) == {"PDL": False}
     finally:
         pdl.set_enabled(True)
-    assert pdl.enabled(device) and pdl.launch(device) == {"launch_pdl": True}
+    assert pdl.enabled(device) and pdl.options(device) == {"PDL": True, "launch_pdl": True}
 
 
 def _mlp(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +62,13 @@ def _mlp(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor]) -> tupl
 
 
 @pytest.mark.skipif(_pdl_reason() is not None, reason=_pdl_reason() or "")
+@pytest.mark.parametrize("hidden, inter", [(1024, 2816), (1000, 1400)], ids=["even", "ragged"])
 @pytest.mark.parametrize("rows", [1, 8, 33])
-def test_pdl_chain_matches_plain_launches_in_a_graph(rows):
+def test_pdl_chain_matches_plain_launches_in_a_graph(rows, hidden, inter):
     device = torch.device("cuda")
     if not pdl.enabled(device):
         pytest.skip("this Triton's launcher has no launch_pdl option")
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    hidden, inter = 1024, 2816
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
