@@ -13,8 +13,8 @@ before it could finish, so a PDL kernel also sees everything written before it i
 lets its own successor launch.
 
 `MTPSERVE_PDL=0` at start (or `set_enabled(False)`, for A/B timing in one process) turns it off; it is off
-on the CPU, under TRITON_INTERPRET=1, before compute capability 9.0, on ROCm, and with a Triton whose launcher lacks
-the option. Eager steps ask for every launch, so asking costs a global read and a cache hit.
+on the CPU, under TRITON_INTERPRET=1, before compute capability 9.0, on ROCm, and with a Triton whose
+launcher lacks the option. Eager steps ask for every launch, so asking costs a global read and a cache hit.
 """
 
 from __future__ import annotations
