@@ -202,6 +202,8 @@ def skinny_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
+    if k == 0:  # an empty sum: no tile to peel, no split to make
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     cfg = config or default_config(m, n, k, num_sms(x.device))
     bm = block_m(m)
     k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split)  # the last split may get fewer

@@ -92,6 +92,15 @@ def test_empty_rows(kernels):
     assert skinny_gemm(x.to(kernels.device), w.to(kernels.device)).shape == (0, 16)
 
 
+def test_an_empty_inner_dimension_gives_the_bias(kernels):
+    from mtpserve.kernels.skinny_gemm import skinny_gemm
+
+    dev = kernels.device
+    x, w, b = torch.ones(3, 0, device=dev), torch.ones(5, 0, device=dev), torch.arange(5.0, device=dev)
+    assert torch.equal(skinny_gemm(x, w), torch.zeros(3, 5, device=dev))
+    assert torch.equal(skinny_gemm(x, w, b), b.expand(3, 5))
+
+
 def test_split_fills_the_sms_and_keeps_k_tiles():
     from mtpserve.kernels.skinny_gemm import TILES, block_m, candidate_configs, m_bucket, split_for
 
