@@ -206,8 +206,9 @@ def skinny_gemm(
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     cfg = config or default_config(m, n, k, num_sms(x.device))
     bm = block_m(m)
-    k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split)  # the last split may get fewer
-    splits = triton.cdiv(triton.cdiv(k, cfg.block_k), k_tiles)  # each with at least one tile: the kernel peels it
+    tiles = triton.cdiv(k, cfg.block_k)
+    k_tiles = triton.cdiv(tiles, cfg.split)  # the last split may get fewer
+    splits = triton.cdiv(tiles, k_tiles)  # each with at least one tile: the kernel peels it
     partial = splits > 1
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     # The interpreter's tl.dot multiplies bf16 tiles' raw storage: widen the operands to fp32 there.

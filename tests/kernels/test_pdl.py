@@ -29,19 +29,19 @@ def test_pdl_is_off_under_the_interpreter():
     assert not pdl.enabled(torch.device("cuda"))
 
 
-def _pdl_reason() -> str | None:
+@pytest.fixture
+def device() -> torch.device:
+    """A GPU whose kernels launch with PDL (the test is skipped, saying why, where none does)."""
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (the CPU path never launches with PDL: test_pdl_is_off_on_the_cpu)"
+        pytest.skip("needs a CUDA GPU (the CPU path never launches with PDL: test_pdl_is_off_on_the_cpu)")
     if torch.cuda.get_device_capability() < (9, 0):
-        return "PDL needs compute capability 9.0 or later"
-    return None
-
-
-@pytest.mark.skipif(_pdl_reason() is not None, reason=_pdl_reason() or "")
-def test_pdl_can_be_turned_off():
-    device = torch.device("cuda")
-    if not pdl.enabled(device):
+        pytest.skip("PDL needs compute capability 9.0 or later")
+    if not pdl.enabled(torch.device("cuda")):
         pytest.skip("this Triton's launcher has no launch_pdl option")
+    return torch.device("cuda")
+
+
+def test_pdl_can_be_turned_off(device):
     try:
         pdl.set_enabled(False)
         assert not pdl.enabled(device) and pdl.options(device) == {"PDL": False}
@@ -61,13 +61,9 @@ def _mlp(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor]) -> tupl
     return rms_norm(down, w["norm"], 1e-6, residual=res)
 
 
-@pytest.mark.skipif(_pdl_reason() is not None, reason=_pdl_reason() or "")
 @pytest.mark.parametrize("hidden, inter", [(1024, 2816), (1000, 1400)], ids=["even", "ragged"])
 @pytest.mark.parametrize("rows", [1, 8, 33])
-def test_pdl_chain_matches_plain_launches_in_a_graph(rows, hidden, inter):
-    device = torch.device("cuda")
-    if not pdl.enabled(device):
-        pytest.skip("this Triton's launcher has no launch_pdl option")
+def test_pdl_chain_matches_plain_launches_in_a_graph(device, rows, hidden, inter):
     gen = torch.Generator(device="cuda").manual_seed(rows)
 
     def rand(*shape: int) -> torch.Tensor:
