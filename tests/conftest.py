@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import os
 import sys
 import threading
 from pathlib import Path
@@ -14,6 +15,9 @@ import torch
 
 from mtpserve.workers.models.train import synthetic_tokens, tiny_config, train_tiny
 from mtpserve.workers.models.writer import save_checkpoint
+
+# GPU runs measure their GEMM choices afresh and leave no cache in the home directory (linear_dispatch.py).
+os.environ.setdefault("MTPSERVE_SKINNY_CACHE", "")
 
 
 def _trained(path: Path, steps: int) -> Path:

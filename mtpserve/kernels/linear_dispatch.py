@@ -1,21 +1,26 @@
 """Which GEMM runs a linear layer's product: F.linear (cuBLAS) or skinny_gemm, chosen per measured shape.
 
-cuBLAS stays the default everywhere: the Triton kernel takes a call only where it was measured to win.
-
-  MTPSERVE_SKINNY_GEMM=off   (default) every product is F.linear
-  MTPSERVE_SKINNY_GEMM=auto  skinny_gemm where the table says it beat F.linear for this device, dtype,
-                             M bucket, N and K; a shape missing from the table is measured the first
-                             time it runs outside a CUDA-graph capture, and cuBLAS takes it meanwhile
+  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm where it was measured faster than F.linear for this
+                             device, dtype, M bucket, N and K; a shape missing from the table is measured
+                             the first time it runs outside a CUDA-graph capture, and cuBLAS takes it
+                             meanwhile
+  MTPSERVE_SKINNY_GEMM=off   every product is F.linear
   MTPSERVE_SKINNY_GEMM=on    skinny_gemm for every eligible call, with its best measured config (A/B runs);
                              a shape first seen inside a capture still goes to cuBLAS (nothing compiled)
   MTPSERVE_SKINNY_TABLE=path a JSON table written by benchmarks/gemm_benchmark.py (--table-out), loaded
                              at import; entries of another device are ignored
+  MTPSERVE_SKINNY_CACHE=path where measured choices persist between starts (default
+                             ~/.cache/mtpserve/skinny_gemm.json; empty: nowhere). A machine measures a
+                             shape once: later starts skip the measurement and pick the same kernels, so
+                             a model's outputs do not change between restarts with the timing noise.
 
 Eligible: a CUDA tensor, bf16 or fp16, 1..MAX_ROWS rows. Capture safety: a measurement syncs the
 device, so it never runs while a stream captures; the runners warm every graph's step up eagerly
 before capturing it (cuda_graphs.WARMUP_RUNS), which measures each shape a graph will hold, at start
 when graphs are captured at start. A measurement times F.linear and skinny_gemm's candidate configs
-the way a captured step runs them: back to back in a CUDA graph, on weights that are not L2-resident.
+the way a captured step runs them: back to back in a CUDA graph, each after the Triton norm that feeds
+it (with programmatic dependent launch a Triton GEMM starts streaming its weights while that norm
+finishes, cuBLAS does not), on weights that are not L2-resident.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from mtpserve.kernels import cpu_linear
 MODES = ("off", "on", "auto")
 ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise stays with cuBLAS
+# Bump when skinny_gemm or the measurement changes what a stored choice means: caches of another revision
+# (or another torch or triton) are ignored.
+CACHE_REVISION = 2
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,11 @@ class Choice:
         return self.skinny_us < WIN_MARGIN * self.cublas_us
 
 
-_mode = "off"
+_mode = "auto"
 _table: dict[str, Choice] = {}
+_cache_loaded = False  # the persistent cache is read once, at the first eligible call
+_cache_broken = False  # a cache that could not be written is not tried again
+_unfit: set[tuple[tuple[int, ...], int]] = set()  # (config, BLOCK_M) past this device's shared memory
 
 
 def set_mode(mode: str) -> None:
@@ -86,18 +97,68 @@ def table() -> dict[str, Choice]:
     return dict(_table)
 
 
-def save_table(path: Path, entries: dict[str, Choice]) -> None:
+def save_table(path: Path, entries: dict[str, Choice], revision: str | None = None) -> None:
     rows = {key: {"config": list(c.config), "skinny_us": c.skinny_us, "cublas_us": c.cublas_us}
             for key, c in sorted(entries.items())}
-    Path(path).write_text(json.dumps({"version": 1, "entries": rows}, indent=1) + "\n")
+    head = {"version": 1} if revision is None else {"version": 1, "revision": revision}
+    Path(path).write_text(json.dumps({**head, "entries": rows}, indent=1) + "\n")
 
 
-def load_table(path: Path) -> int:
-    """Add a gemm_benchmark table to the dispatch's; -> entries read."""
-    rows = json.loads(Path(path).read_text())["entries"]
-    for key, row in rows.items():
-        _table[key] = Choice(tuple(row["config"]), float(row["skinny_us"]), float(row["cublas_us"]))
-    return len(rows)
+def load_table(path: Path, revision: str | None = None, overwrite: bool = True) -> int:
+    """Add a gemm_benchmark table (or a cache of `revision`: another revision adds nothing) to the
+    dispatch's; overwrite=False keeps the entries it has. -> entries added."""
+    data = json.loads(Path(path).read_text())
+    if revision is not None and data.get("revision") != revision:
+        return 0
+    added = 0
+    for key, row in data["entries"].items():
+        if overwrite or key not in _table:
+            _table[key] = Choice(tuple(row["config"]), float(row["skinny_us"]), float(row["cublas_us"]))
+            added += 1
+    return added
+
+
+def cache_path() -> Path | None:
+    """Where measured choices persist between starts (MTPSERVE_SKINNY_CACHE; empty: nowhere)."""
+    raw = os.environ.get("MTPSERVE_SKINNY_CACHE", "~/.cache/mtpserve/skinny_gemm.json")
+    return Path(raw).expanduser() if raw else None
+
+
+def cache_revision() -> str:
+    import triton
+
+    return f"{CACHE_REVISION}|torch {torch.__version__}|triton {triton.__version__}"
+
+
+def _load_cache() -> None:
+    """Once per process: the choices this machine measured before (an explicit table's entries win)."""
+    global _cache_loaded
+    _cache_loaded = True
+    path = cache_path()
+    if path is None or not path.is_file():
+        return
+    try:
+        load_table(path, cache_revision(), overwrite=False)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"ignoring the skinny GEMM cache {path}: {exc!r}")
+
+
+def _persist() -> None:
+    """Write the table to the cache, whole: processes of one host (tensor-parallel ranks) may write at once,
+    and the last whole file wins. A shape skipped for want of memory is left out: that was this start's."""
+    global _cache_broken
+    path = cache_path()
+    if path is None or _cache_broken:
+        return
+    measured = {key: c for key, c in _table.items() if c.cublas_us > 0}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_table(tmp, measured, cache_revision())
+        os.replace(tmp, path)
+    except OSError as exc:
+        _cache_broken = True
+        warnings.warn(f"cannot write the skinny GEMM cache {path} ({exc!r}): shapes are measured again next start")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,10 +188,13 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from mtpserve.kernels.skinny_gemm import m_bucket
 
     (rows, k), n = x.shape, weight.shape[0]
+    if not _cache_loaded:
+        _load_cache()
     key = shape_key(_device_name(x.device), x.dtype, m_bucket(rows), n, k)
     choice = _table.get(key)
     if choice is None and not torch.cuda.is_current_stream_capturing():
         choice = _table[key] = measure(x, weight, bias)
+        _persist()
     if choice is None or not choice.config:  # first seen inside a capture (nothing compiled), or no config fits
         return None
     return choice.config if _mode == "on" or choice.skinny_wins else None
@@ -144,25 +208,38 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     over replays. Timed one call at a time after an L2 eviction instead, cuBLAS had looked as fast as the
     skinny kernel on most 8B shapes, and auto kept it, while in the captured step the skinny kernel on
     every product took the batch-1 step from 6.02 to 5.80 ms (H100, runs 85-86): a call alone also
-    pays its launch and ramp, which a graph overlaps with the call before. A serving process has given
-    most of its memory to KV pools: a shape whose copies do not fit is left to cuBLAS."""
-    from mtpserve.kernels.skinny_gemm import candidate_configs, num_sms, skinny_gemm
+    pays its launch and ramp, which a graph overlaps with the call before. Each product also follows the
+    Triton RMSNorm that makes its input, as in a step: on Hopper the skinny kernel then streams its first
+    weight tile while the norm finishes (programmatic dependent launch, kernels/pdl.py) and cuBLAS waits
+    for it; alone, the skinny kernel lost shapes that it won inside the default model's step (H100, run
+    159: the k = 0 step at batch 8 took 0.23 ms on auto's choice, 0.20 with the skinny kernel forced).
+    A serving process has given most of its memory to KV pools: a shape whose copies do not fit is left
+    to cuBLAS."""
+    from mtpserve.kernels.rmsnorm import rms_norm
+    from mtpserve.kernels.skinny_gemm import block_m, candidate_configs, num_sms, skinny_gemm
 
     (rows, k), n = x.shape, weight.shape[0]
     l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
     copies = min(CALLS, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))  # a graph uses CALLS
+    ones = torch.ones(k, dtype=x.dtype, device=x.device)
     try:
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-        cublas = _replay_us(lambda w: F.linear(x, w, bias), weights, reps)
+        cublas = _replay_us(lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias), weights, reps)
     except torch.cuda.OutOfMemoryError:
         warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
         return Choice((), float("inf"), 0.0)
     best: tuple[float, tuple[int, ...]] | None = None
     for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
+        tile = (tuple(cfg.as_list()), block_m(rows))
+        if tile in _unfit:
+            continue
         try:
-            us = _replay_us(lambda w: skinny_gemm(x, w, bias, cfg), weights, reps)
-        except Exception as exc:  # e.g. OutOfResources (shared memory) on a smaller GPU: skip that config
-            warnings.warn(f"skinny_gemm config {cfg} failed for {tuple(weight.shape)} at M={rows}: {exc!r}")
+            us = _replay_us(lambda w: skinny_gemm(rms_norm(x, ones, 1e-6), w, bias, cfg), weights, reps)
+        except Exception as exc:
+            if type(exc).__name__ == "OutOfResources":  # this device's shared memory: skip that tile from now on
+                _unfit.add(tile)
+            else:
+                warnings.warn(f"skinny_gemm config {cfg} failed for {tuple(weight.shape)} at M={rows}: {exc!r}")
             continue
         if best is None or us < best[0]:
             best = (us, tuple(cfg.as_list()))
@@ -212,6 +289,6 @@ class DispatchedLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-set_mode(os.environ.get("MTPSERVE_SKINNY_GEMM", "off"))
+set_mode(os.environ.get("MTPSERVE_SKINNY_GEMM", "auto"))
 if os.environ.get("MTPSERVE_SKINNY_TABLE"):
     load_table(Path(os.environ["MTPSERVE_SKINNY_TABLE"]))

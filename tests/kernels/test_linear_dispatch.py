@@ -1,8 +1,15 @@
 """linear_dispatch: cuBLAS unless measured slower; the DispatchedLinear module is nn.Linear to everything
-else (state dict, isinstance); the table round-trips; on CUDA the skinny path matches F.linear, a
-shape first seen inside a capture is not measured there, and a captured replay makes no host sync."""
+else (state dict, isinstance); the table round-trips; measured choices persist between starts; on CUDA
+the skinny path matches F.linear, a shape first seen inside a capture is not measured there, a
+captured replay makes no host sync, and a second start takes the cached choice without measuring."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -15,15 +22,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @pytest.fixture(autouse=True)
-def fresh_dispatch():
-    """Each test starts from mode off and an empty table, and leaves them so."""
+def fresh_dispatch(tmp_path, monkeypatch):
+    """Each test starts from mode off, an empty table and a cache of its own (not yet read), and leaves the
+    dispatch as it found it."""
     saved_mode, saved = dispatch.mode(), dispatch.table()
     dispatch._table.clear()
     dispatch.set_mode("off")
+    monkeypatch.setenv("MTPSERVE_SKINNY_CACHE", str(tmp_path / "cache" / "skinny.json"))
+    monkeypatch.setattr(dispatch, "_cache_loaded", False)
+    monkeypatch.setattr(dispatch, "_cache_broken", False)
     yield
     dispatch.set_mode(saved_mode)
     dispatch._table.clear()
     dispatch._table.update(saved)
+
+
+def test_auto_is_the_default_mode():
+    env = {k: v for k, v in os.environ.items() if k != "MTPSERVE_SKINNY_GEMM"}
+    code = "from mtpserve.kernels import linear_dispatch as d; print(d.mode())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "auto"
 
 
 def test_dispatched_linear_is_an_nn_linear_with_the_same_state():
@@ -56,6 +74,53 @@ def test_table_round_trips_and_decides(tmp_path):
     assert wins.skinny_wins and not loses.skinny_wins
 
 
+def test_measured_choices_persist_for_the_next_start(tmp_path):
+    """What one start measured, the next one reads (without replacing an explicit table's entries); a cache of
+    another revision is ignored, and a shape left to cuBLAS for want of memory is not kept."""
+    measured = dispatch.Choice((64, 128, 2, 4, 4), 10.0, 12.0)
+    no_memory = dispatch.Choice((), float("inf"), 0.0)
+    dispatch.record("a", measured)
+    dispatch.record("b", no_memory)
+    dispatch._persist()
+    path = dispatch.cache_path()
+    assert json.loads(path.read_text())["revision"] == dispatch.cache_revision()
+
+    dispatch._table.clear()
+    explicit = dispatch.Choice((32, 256, 1, 4, 4), 9.0, 12.0)
+    dispatch.record("a", explicit)  # MTPSERVE_SKINNY_TABLE's entries are loaded at import, before the cache
+    dispatch._load_cache()
+    assert dispatch.table() == {"a": explicit}
+    dispatch._table.clear()
+    dispatch._load_cache()
+    assert dispatch.table() == {"a": measured}, "the next start reads what was measured, not the out-of-memory skip"
+
+    dispatch._table.clear()
+    dispatch.save_table(path, {"a": measured}, revision="another kernel")
+    dispatch._load_cache()
+    assert dispatch.table() == {}
+
+
+def test_an_unwritable_cache_warns_once_and_serving_goes_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("MTPSERVE_SKINNY_CACHE", str(blocker / "skinny.json"))  # its parent is a file
+    dispatch.record("a", dispatch.Choice((64, 128, 2, 4, 4), 10.0, 12.0))
+    with pytest.warns(UserWarning, match="cannot write the skinny GEMM cache"):
+        dispatch._persist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatch._persist()  # not tried again
+
+
+def test_an_empty_cache_path_turns_the_cache_off(monkeypatch):
+    monkeypatch.setenv("MTPSERVE_SKINNY_CACHE", "")
+    assert dispatch.cache_path() is None
+    dispatch.record("a", dispatch.Choice((64, 128, 2, 4, 4), 10.0, 12.0))
+    dispatch._persist()
+    dispatch._load_cache()  # nothing to read, nothing raised
+    assert list(dispatch.table()) == ["a"]
+
+
 @cuda
 @pytest.mark.parametrize("rows", [1, 7, 32, 100])
 def test_skinny_path_matches_f_linear_on_cuda(rows):
@@ -70,6 +135,28 @@ def test_skinny_path_matches_f_linear_on_cuda(rows):
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     key = dispatch.shape_key(torch.cuda.get_device_name(), torch.bfloat16, m_bucket(rows), 768, 512)
     assert key in dispatch.table(), "the first eager call measured the shape"
+
+
+@cuda
+def test_a_second_start_takes_the_cached_choice_without_measuring(monkeypatch):
+    from mtpserve.kernels.skinny_gemm import m_bucket
+
+    torch.manual_seed(0)
+    layer = dispatch.DispatchedLinear(512, 768, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    dispatch.set_mode("auto")
+    first = layer(x)
+    key = dispatch.shape_key(torch.cuda.get_device_name(), torch.bfloat16, m_bucket(8), 768, 512)
+    chosen = dispatch.table()[key]
+    dispatch._table.clear()  # a new process: an empty table, the cache not read yet
+    monkeypatch.setattr(dispatch, "_cache_loaded", False)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a cached shape is measured again")
+
+    monkeypatch.setattr(dispatch, "measure", no_measuring)
+    assert torch.equal(layer(x), first), "the same kernel and config: the same bits"
+    assert dispatch.table()[key] == chosen
 
 
 @cuda

@@ -3,7 +3,7 @@
 Every module works on flat token rows [T, hidden]; attention goes through the paged KV cache.
 Linears are plain nn.Linear (q/k/v and gate/up fused) so that tensor parallelism can be applied
 afterwards as a separate pass over the unsharded model (mtpserve/workers/tensor_parallel.py); the
-DispatchedLinear subclass only routes the product (mtpserve/kernels/linear_dispatch.py, off by default).
+DispatchedLinear subclass only routes the product (mtpserve/kernels/linear_dispatch.py).
 """
 
 from __future__ import annotations
