@@ -69,6 +69,19 @@ class PrefillInputs:
 
 
 @dataclass
+class _Passes:
+    """Every module pass's layout, built at once: passes differ only by m, so one kernel per tensor serves
+    them all (on a small model a pass is mostly launches). [P, ...] each, P module passes."""
+
+    meta: list[AttentionMetadata]  # per pass: KV group 1 + m
+    in_chunk: torch.Tensor  # [P, T] whether row i's token input t_{i+m+1} lies in its chunk
+    chunk_token: torch.Tensor  # [P, T] that token (where in_chunk)
+    tail_at: torch.Tensor  # [P, T] else its flat index in the tail (which the chain's drafts fill)
+    read: torch.Tensor  # [P, 2R] rows read back: each request's last row, then its carry row
+    moved: torch.Tensor  # [P, R] whether the module's commit moved (then its carry is written)
+
+
+@dataclass
 class _Rows:
     """Where each flat row sits: its request and position (derived on the device)."""
 
@@ -91,7 +104,7 @@ class PrefillStep:
         self.state.reset_pad()
         final = (x.starts + x.lens == x.verified) & (x.lens > 0)  # [R]
         rows = self._rows(x, shape.tokens)
-        meta = self._metadata(0, x, rows, torch.ones_like(rows.pos, dtype=torch.bool))
+        meta = self._metadata(slice(0, 1), x, rows)[0]
         hidden = self.target(x.ids, rows.pos, meta, self.kv.target)  # [T, H]
         raw = self.target.logits(hidden[rows.last])  # [R, V] fp32
         samp = self.state.sampling(x.slots, shape.flags)
@@ -112,20 +125,26 @@ class PrefillStep:
         index = torch.arange(num_rows, device=x.lens.device) - first[req]
         return _Rows(req, index, x.starts[req] + index, first, (ends - 1).clamp(min=0))
 
-    def _metadata(self, group: int, x: PrefillInputs, rows: _Rows, write: torch.Tensor) -> AttentionMetadata:
-        """The flat rows' attention metadata in one KV group; a row writes KV only where `write` holds and
-        its position lies in the blocks its request owns there (else slot -1, which the store skips)."""
+    def _metadata(self, groups: slice, x: PrefillInputs, rows: _Rows, write: torch.Tensor | None = None
+                  ) -> list[AttentionMetadata]:
+        """The flat rows' attention metadata in each of some KV groups, built at once; a row writes KV only
+        where `write` [G, T] holds (None: everywhere) and its position lies in the blocks its request owns
+        in that group (else slot -1, which the store skips)."""
         st, bs = self.state, self.state.block_size
-        tables = st.tables[group, x.slots]  # [R, MB]
-        blocks = tables[rows.req, (rows.pos // bs).clamp(max=st.max_blocks - 1)].long()
-        owned = write & (rows.pos < st.capacity[group, x.slots][rows.req])
+        tables = st.tables[groups][:, x.slots]  # [G, R, MB]
+        group = torch.arange(tables.shape[0], device=tables.device)[:, None]
+        blocks = tables[group, rows.req, (rows.pos // bs).clamp(max=st.max_blocks - 1)].long()  # [G, T]
+        owned = rows.pos < st.capacity[groups][:, x.slots[rows.req]]
+        owned = owned if write is None else owned & write
         slot_mapping = torch.where(owned, blocks * bs + rows.pos % bs, -1)
         seq_lens = (x.starts + x.lens).to(torch.int32)
         if x.slots.is_cuda:  # host-side bounds only pick tiles; the kernels read lengths on the device
             max_query_len, max_seq_len = len(rows.pos), st.max_blocks * bs
         else:  # the CPU reference pads to these
             max_query_len, max_seq_len = int(x.lens.max()), int(seq_lens.max())
-        return AttentionMetadata(rows.first.to(torch.int32), seq_lens, tables, slot_mapping, max_query_len, max_seq_len)
+        first = rows.first.to(torch.int32)
+        return [AttentionMetadata(first, seq_lens, tables[g], slot_mapping[g], max_query_len, max_seq_len)
+                for g in range(tables.shape[0])]
 
     def _commit(self, x: PrefillInputs, final: torch.Tensor, token: torch.Tensor, flags: SamplingFlags) -> None:
         """Final chunks verified one more token; mid-prompt ones keep their state."""
@@ -139,51 +158,53 @@ class PrefillStep:
                target_rows: torch.Tensor, shape: PrefillShape, samp: SamplingTensors) -> None:
         """Every module pass over the chunks' rows, then the drafts of the final chunks (§3)."""
         chain: UniformChain = self.uniform.chain
-        k = shape.chain
+        steps = chain_steps(shape.chain, self.num_modules, self.mode)
         tail = x.tail.clone()  # the sampled token and the drafts of final chunks go here
         tail[:, 0] = torch.where(final, token, tail[:, 0])
         drafts, proposals = [], []
         old_carry = self.buffers.carry[x.slots]
         sampler = DraftSampler(chain, x.slots, x.verified + 1, samp, shape.flags)
         num_spec = self.state.num_spec[x.slots]
-        carry, moved, prev, last = [], [], target_rows, None
-        for j, step in enumerate(chain_steps(k, self.num_modules, self.mode)):
-            m, used = step.module, num_spec > j
+        passes = self._passes(x, rows, final, num_spec, sum(step.offset == 0 for step in steps), tail.shape[1])
+        carry, prev, last, batch = [], target_rows, None, len(x.slots)
+        for j, step in enumerate(steps):
+            m = step.module
             if step.offset == 0:
-                end, commit = self._module_bounds(x, final, m)
-                meta = self._metadata(1 + m, x, rows, used[rows.req] & (rows.pos < end[rows.req]))
-                g = self.mtp(m, self._module_tokens(x, rows, tail, m), prev, rows.pos, meta, self.kv.mtp[m],
-                             self.target.embed_tokens)
-                prev = self.mtp.next_hidden(m, g)
-                g, last = g[rows.last], prev[rows.last]
-                # g^m at the new commit - 1 (a row of this chunk whenever the commit moved)
-                at = rows.first[:-1] + torch.minimum((commit - 1 - x.starts).clamp(min=0), (x.lens - 1).clamp(min=0))
-                carry.append(prev[at.clamp(max=len(prev) - 1)])
-                moved.append(used & (commit > x.starts))
+                tokens = torch.where(passes.in_chunk[m], passes.chunk_token[m], tail.view(-1)[passes.tail_at[m]])
+                g = self.mtp(m, tokens, prev, rows.pos, passes.meta[m], self.kv.mtp[m], self.target.embed_tokens)
+                nxt = self.mtp.next_hidden(m, g)
+                both = nxt.index_select(0, passes.read[m])  # the last rows, then g^m at the new commit - 1
+                last, prev = both[:batch], nxt
+                g = last if nxt is g else g.index_select(0, passes.read[m, :batch])
+                carry.append(both[batch:])
             else:  # recursive: one row at p + offset from the previous chain step
                 meta, p = window_rows(self.state, 1 + m, x.slots, x.verified - 1 + step.offset, 1,
-                                      (used & final).long())
+                                      ((num_spec > j) & final).long())
                 g = self.mtp(m, drafts[j - 1], last, p, meta, self.kv.mtp[m], self.target.embed_tokens)
                 last = self.mtp.next_hidden(m, g)
             token, ids, probs = sampler(j, self.mtp.logits(m, g, self.target.lm_head))
             drafts.append(token)
             proposals.append((ids, probs))
             tail[:, 1 + j] = torch.where(final, token, tail[:, 1 + j])
-        chain.store(x.slots, torch.stack(drafts, 1), proposals, carry, torch.stack(moved) if moved else None, old_carry)
+        chain.store(x.slots, torch.stack(drafts, 1), proposals, carry, passes.moved if carry else None, old_carry)
 
-    @staticmethod
-    def _module_tokens(x: PrefillInputs, rows: _Rows, tail: torch.Tensor, m: int) -> torch.Tensor:
-        """[T] t_{i+m+1} of every row: further down its chunk, else from its request's tail."""
-        ahead = rows.index + m + 1  # index of t_{i+m+1} within the chunk
-        lens = x.lens[rows.req]
-        down = x.ids[(torch.arange(len(x.ids), device=x.ids.device) + m + 1).clamp(max=len(x.ids) - 1)]
-        past = tail[rows.req, (ahead - lens).clamp(min=0, max=tail.shape[1] - 1)]
-        return torch.where(ahead < lens, down, past)
-
-    @staticmethod
-    def _module_bounds(x: PrefillInputs, final: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[R] module m's end (position past its last row) and its commit after the step. A final chunk's
-        module runs to the chunk's end (rows past N' - m - 1 use drafts: recomputed next step) and commits
-        N' - m - 1 = N - m; a mid-prompt one runs and commits up to N - m - 1 (inputs all verified)."""
-        mid = torch.minimum(x.starts + x.lens, x.verified - m - 1)
-        return torch.where(final, x.verified, mid), torch.where(final, x.verified - m, mid).clamp(min=0)
+    def _passes(self, x: PrefillInputs, rows: _Rows, final: torch.Tensor, num_spec: torch.Tensor, num_passes: int,
+                tail_columns: int) -> _Passes:
+        """The layout of module passes 0 .. num_passes - 1 (module m in pass m), see _Passes. Module m's end
+        and commit: a final chunk's module runs to the chunk's end (rows past N' - m - 1 use drafts:
+        recomputed next step) and commits N' - m - 1 = N - m; a mid-prompt one runs and commits up to
+        N - m - 1 (inputs all verified). Its token input t_{i+m+1} comes from further down the chunk, or
+        from the request's tail (the verified tokens past the chunk, or else the sampled token and the
+        drafts)."""
+        m = torch.arange(num_passes, device=x.slots.device)[:, None]  # [P, 1]
+        mid = torch.minimum(x.starts + x.lens, x.verified - m - 1)  # [P, R]
+        end = torch.where(final, x.verified, mid)
+        commit = torch.where(final, x.verified - m, mid).clamp(min=0)
+        used = num_spec > m  # pass m is chain step m
+        meta = self._metadata(slice(1, 1 + num_passes), x, rows, used[:, rows.req] & (rows.pos < end[:, rows.req]))
+        ahead, lens, total = rows.index + m + 1, x.lens[rows.req], len(x.ids)  # ahead: [P, T]
+        chunk_token = x.ids[(torch.arange(total, device=m.device) + m + 1).clamp(max=total - 1)]
+        tail_at = rows.req * tail_columns + (ahead - lens).clamp(min=0, max=tail_columns - 1)
+        at = rows.first[:-1] + torch.minimum((commit - 1 - x.starts).clamp(min=0), (x.lens - 1).clamp(min=0))
+        read = torch.cat((rows.last.expand(num_passes, -1), at.clamp(max=total - 1)), dim=1)
+        return _Passes(meta, ahead < lens, chunk_token, tail_at, read, used & (commit > x.starts))
