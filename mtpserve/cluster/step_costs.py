@@ -98,7 +98,7 @@ class DeviceCosts:
         two or more k are known; the configured prior before that."""
         a, b, n = _line_fit(self._known(self.seconds, self.seeds))
         rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
-        return float(np.clip(np.median(rel), 0.0, 10.0)) if rel.size else self.per_draft_cost
+        return float(np.clip(_median(rel), 0.0, 10.0)) if rel.size else self.per_draft_cost
 
     def _update_medians(self, rows: slice) -> None:
         """seconds[rows] = the lower median of each measured cell's recent samples (NaN sorts last)."""
@@ -201,7 +201,7 @@ class StepCosts:
         if sampled.size == 0:
             return 0.0
         b = self._nearest(sampled, self.bucket(batch))
-        return float(np.median(self.gap_recent[b, : min(self.gap_samples[b], self.GAP_WINDOW)]))
+        return _median(self.gap_recent[b, : min(self.gap_samples[b], self.GAP_WINDOW)])
 
     def seed(self, batch: int, k: int, seconds: float, greedy: bool = True) -> None:
         """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
@@ -272,29 +272,39 @@ class StepCosts:
         # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
         # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
-        slope, per_draft = _host_slopes(seconds, emitted, ks, float(np.median(seconds)), float(self.host_slopes[b]))
+        slope, per_draft = _host_slopes(seconds, emitted, ks, _median(seconds), float(self.host_slopes[b]))
         self.host_slopes[b] = slope = float(self.host_slopes[b]) if slope is None else slope
         self.host_draft_slopes[b] = per_draft = float(self.host_draft_slopes[b]) if per_draft is None else per_draft
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
         now_s, now_e, now_k = seconds[last], emitted[last], ks[last]
-        slope = min(slope, float(np.median(now_s / np.maximum(now_e, 1e-9))))
+        slope = min(slope, _median(now_s / np.maximum(now_e, 1e-9)))
         rest = now_s - slope * now_e
         drafted = now_k > 0
         if drafted.any():
-            per_draft = min(per_draft, float(np.median(rest[drafted] / now_k[drafted])))
+            per_draft = min(per_draft, _median(rest[drafted] / now_k[drafted]))
         # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
         # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
         # at c = 8 and 0.54 at T = 1, c = 256). A window of one k cannot tell the level from the slopes, and
         # one that put nearly all of a greedy c = 128 step's host in its tokens and drafts priced k = 4 at
         # 5.8x k = 0: auto ran k = 0, then caught up all 128 requests (run 143).
-        saved = float(np.median((slope * np.maximum(now_e - 1.0, 0.0) + per_draft * now_k) / np.maximum(now_s, 1e-12)))
+        saved = _median((slope * np.maximum(now_e - 1.0, 0.0) + per_draft * now_k) / np.maximum(now_s, 1e-12))
         if saved > 1.0 - self.HOST_KEPT:
             scale = (1.0 - self.HOST_KEPT) / saved
             slope, per_draft = slope * scale, per_draft * scale
         rest = now_s - slope * now_e
         level = np.sort(rest - per_draft * now_k)[(len(last) - 1) // 2]
         return float(level) * batch, slope, max(per_draft, 0.0), median * batch
+
+
+def _median(x: np.ndarray) -> float:
+    """np.median of a small 1-D array without NaNs, the same value at a fraction of its cost: a full choice
+    takes several, and np.median's checks and wrappers were most of each (about 25 us on the 2-core CPU)."""
+    n = x.shape[0]
+    if n % 2:
+        return float(np.partition(x, n // 2)[n // 2])
+    lo, hi = np.partition(x, (n // 2 - 1, n // 2))[n // 2 - 1 : n // 2 + 1]
+    return float((lo + hi) / 2.0)
 
 
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:
