@@ -25,6 +25,7 @@ finishes, cuBLAS does not), on weights that are not L2-resident.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -158,6 +159,8 @@ def _persist() -> None:
         os.replace(tmp, path)
     except OSError as exc:
         _cache_broken = True
+        with contextlib.suppress(OSError):  # a half-written file, if any, is not left beside the cache
+            tmp.unlink(missing_ok=True)
         warnings.warn(f"cannot write the skinny GEMM cache {path} ({exc!r}): shapes are measured again next start")
 
 

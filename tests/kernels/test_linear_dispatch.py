@@ -100,13 +100,18 @@ def test_measured_choices_persist_for_the_next_start(tmp_path):
     assert dispatch.table() == {}
 
 
-def test_an_unwritable_cache_warns_once_and_serving_goes_on(tmp_path, monkeypatch):
-    blocker = tmp_path / "a file"
-    blocker.write_text("")
-    monkeypatch.setenv("MTPSERVE_SKINNY_CACHE", str(blocker / "skinny.json"))  # its parent is a file
+@pytest.mark.parametrize("where", ["under a file", "a directory"])
+def test_an_unwritable_cache_warns_once_and_serving_goes_on(tmp_path, monkeypatch, where):
+    """A cache whose parent is a file cannot be written at all; one that is a directory is written beside it
+    and then cannot replace it: neither leaves a half-written file behind."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir() if where == "a directory" else blocker.write_text("")
+    cache = blocker / "skinny.json" if where == "under a file" else blocker
+    monkeypatch.setenv("MTPSERVE_SKINNY_CACHE", str(cache))
     dispatch.record("a", dispatch.Choice((64, 128, 2, 4, 4), 10.0, 12.0))
     with pytest.warns(UserWarning, match="cannot write the skinny GEMM cache"):
         dispatch._persist()
+    assert [p.name for p in tmp_path.iterdir()] == ["blocker"], "nothing half-written is left behind"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dispatch._persist()  # not tried again
