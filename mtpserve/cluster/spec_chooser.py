@@ -56,10 +56,6 @@ class AdaptiveConfig:
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
     # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
     choice_share: float = 0.01
-    # A choice that changes k is checked again sooner: once a choice costs at most this share of the steps it
-    # covers, and after min_dwell steps at the least. At min_dwell alone, a choice of ~1 ms every 8 steps of
-    # 0.3 ms (the H100's host, c = 1) cost a third of the steps after each change while k flapped 1 <-> 2.
-    recheck_share: float = 0.1
 
 
 def expected_tokens(p: np.ndarray) -> np.ndarray:
@@ -294,13 +290,10 @@ class AdaptiveSpec:
             # So does a new k: it is checked again soon. A k that holds then holds for as long as its choice's
             # cost allows: doubled from min_dwell instead, a c = 8 cell made 13-20 full choices of about 1.1 ms
             # each on the H100's host, each in a step of 0.5 ms (runs 167-168, T = 1).
-            seconds = time.perf_counter() - t0
-            if self._probed_from >= 0:
+            if changed or self._probed_from >= 0:
                 self.dwell = self.config.min_dwell
-            elif changed:
-                self.dwell = self._dwell(seconds, float(costs[k]), self.config.recheck_share)
             else:
-                self.dwell = self._dwell(seconds, float(costs[k]), self.config.choice_share)
+                self.dwell = self._dwell(time.perf_counter() - t0, float(costs[k]))
         self.chosen[self.k] += 1
         return self.k
 
@@ -320,14 +313,14 @@ class AdaptiveSpec:
         self.chosen[self.k] += 1
         return self.k
 
-    def _dwell(self, choice_seconds: float, step_seconds: float, share: float) -> int:
-        """The dwell of a choice: min_dwell, or more where a choice would cost more than `share` of the steps it
-        covers (step_seconds is the cost table's: a unitless prior before any step is timed). A choice that
-        keeps k takes choice_share; one that changes k the looser recheck_share, so that it is checked again
-        soon: paced by choice_share, the first choice of a greedy c = 8 cell, k = 2, held for 128 of its ~320
-        steps before k = 4, where fixed k = 4 ran 20 % faster (H100, run 140)."""
+    def _dwell(self, choice_seconds: float, step_seconds: float) -> int:
+        """The longest dwell of a choice that holds: min_dwell, or more where a choice would cost more than
+        choice_share of the steps it covers (step_seconds is the cost table's: a unitless prior before any step
+        is timed). A choice that changes k holds for min_dwell only: on the H100 a choice costs ~0.4 ms, so
+        at c = 8 (0.3 ms steps) a dwell paced by its cost alone held the first choice of a greedy cell, k = 2,
+        for 128 of its ~320 steps before k = 4, where fixed k = 4 ran 20 % faster (run 140)."""
         c = self.config
-        return int(np.clip(np.ceil(choice_seconds / (share * step_seconds)), c.min_dwell, c.max_dwell))
+        return int(np.clip(np.ceil(choice_seconds / (c.choice_share * step_seconds)), c.min_dwell, c.max_dwell))
 
     def _explore(self, k: int, batch: int) -> int:
         """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
