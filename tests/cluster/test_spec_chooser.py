@@ -137,39 +137,56 @@ def test_new_requests_start_from_the_engine_wide_prior() -> None:
 
 
 def _observe_stepwise(t: AcceptanceTable, steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """The update one observation at a time, as the table's fold must reproduce it."""
+    """The rows' update one observation at a time, each moving p by `decay` toward its outcome."""
     d = t.config.decay
     for rows, drafts, accepted in steps:
         seen = np.arange(t.p.shape[0])[:, None] < np.minimum(accepted + 1, drafts)
         hit = (np.arange(t.p.shape[0])[:, None] < accepted).astype(float)
         t.p[:, rows] = np.where(seen, (1 - d) * t.p[:, rows] + d * hit, t.p[:, rows])
         t.n[:, rows] = np.where(seen, (1 - d) * t.n[:, rows] + 1, t.n[:, rows])
-        counts = seen.sum(axis=1)
-        t.prior_steps += counts > 0
-        weight = np.maximum(1 - (1 - t.config.prior_decay) ** counts, 1 / (t.config.prior_weight + t.prior_steps))
-        t.prior += weight * (counts > 0) * ((hit * seen).sum(axis=1) / np.maximum(counts, 1) - t.prior)
 
 
-@pytest.mark.parametrize("prior_decay", [AdaptiveConfig.prior_decay, 0.3])  # 0.3: the observations' weight wins
-def test_queued_steps_fold_as_if_observed_one_by_one(prior_decay: float) -> None:
-    config = AdaptiveConfig(max_k=K, max_rows=8, prior_decay=prior_decay)
+def test_queued_steps_fold_as_one_by_one_updates_where_a_rows_outcomes_agree() -> None:
+    config = AdaptiveConfig(max_k=K, max_rows=8)
     folded, stepwise = AcceptanceTable(config), AcceptanceTable(config)
     rows = [folded.acquire(K, True) for _ in range(6)]
     assert [stepwise.acquire(K, True) for _ in range(6)] == rows
     rng = np.random.default_rng(3)
+    drafts = dict(zip(rows, rng.integers(0, K + 1, 6)))  # each row drafts and accepts alike at every step
+    accepted = {r: int(rng.integers(0, d + 1)) for r, d in drafts.items()}
     steps = []
     for _ in range(20):
         r = rng.choice(rows, size=int(rng.integers(1, 7)), replace=False)
-        drafts = rng.integers(0, K + 1, len(r))
-        steps.append((r, drafts, (rng.random(len(r)) * (drafts + 1)).astype(np.int64)))
+        steps.append((r, np.array([drafts[i] for i in r]), np.array([accepted[i] for i in r])))
     for i, step in enumerate(steps):
         folded.observe(*step)
         if i == 11:
             folded.flush()  # two folds, of 12 and of 8 steps
     folded.flush()
     _observe_stepwise(stepwise, steps)
-    for a, b in ((folded.p, stepwise.p), (folded.n, stepwise.n), (folded.prior, stepwise.prior)):
-        np.testing.assert_allclose(a, b, rtol=1e-12)
+    np.testing.assert_allclose(folded.p, stepwise.p, rtol=1e-12)
+    np.testing.assert_allclose(folded.n, stepwise.n, rtol=1e-12)
+
+
+def test_a_block_of_mixed_outcomes_moves_each_estimate_toward_their_mean() -> None:
+    t = AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=2, decay=0.5, initial_acceptance=0.6, prior_decay=0.5))
+    row = np.array([t.acquire(K, True)])
+    outcomes = [1, 0, 1, 0]  # position 1 accepted, rejected, accepted, rejected
+    for a in outcomes:
+        t.observe(row, np.array([1]), np.array([a]))
+    t.flush()
+    np.testing.assert_allclose(t.p[:, 0], [0.5**4 * 0.6 + (1 - 0.5**4) * 0.5, 0.6, 0.6, 0.6])
+    np.testing.assert_allclose(t.n[:, 0], [(1 - 0.5**4) / 0.5, 0, 0, 0])
+    # One by one, the order decides (the last outcome weighs most); the block lies between the two orders.
+    orders = []
+    for seq in (outcomes, outcomes[::-1]):
+        one = AcceptanceTable(t.config)
+        one.acquire(K, True)
+        _observe_stepwise(one, [(row, np.array([1]), np.array([a])) for a in seq])
+        orders.append(one.p[0, 0])
+    assert min(orders) < t.p[0, 0] < max(orders)
+    # The prior: four observations weigh 1 - 0.5^4 (more than a plain mean's 4 / (4 + 4)).
+    np.testing.assert_allclose(t.prior, [0.5**4 * 0.6 + (1 - 0.5**4) * 0.5, 0.6, 0.6, 0.6])
 
 
 def test_a_reused_row_starts_over_and_its_old_steps_count_for_the_prior_only() -> None:
@@ -436,6 +453,25 @@ def test_a_newcomer_to_the_bucket_of_a_choice_that_still_holds_keeps_it() -> Non
     assert spec.choose(empty, batch=1) == K  # within the dwell of the choice for this bucket
     spec._held = spec.dwell
     assert spec.choose(empty, batch=1) == 0  # the dwell is over: chosen again
+
+
+def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At c = 1 the next request joins while the last one finishes: the batch goes 1 -> 2 -> 1. The step at
+    two is chosen for (another bucket, other costs); back at one, that bucket's choice still holds and is
+    taken up again without a full choice (two full choices per request before, run 171)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, probe_after=10**6))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-7 * (1 + 0.1 * k))  # one request: drafts pay (choices cost more than steps)
+        spec.costs.seed(2, k, 1e-7 * (1 + 5.0 * k))  # two: they do not
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.9))
+    folds = []
+    fold = AcceptanceTable.fold
+    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
+    assert [spec.choose(row) for _ in range(20)] == [K] * 20 and len(folds) == 1 and spec.dwell == 64
+    assert spec.choose(row, batch=2) == 0 and len(folds) == 2  # a request waits to join: chosen for two
+    assert spec.choose(row) == K and len(folds) == 2  # back at one: its choice holds, no full choice
+    assert spec.dwell == 64 and spec._held == 21
 
 
 def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:

@@ -119,6 +119,27 @@ def test_the_hosts_share_grows_with_the_tokens_a_step_emits() -> None:
     np.testing.assert_allclose(costs.host(8, np.array([8.0, 31])), 0.5e-3 + 0.02e-3 * np.array([8.0, 31]))
 
 
+def test_a_full_windows_slopes_wait_for_host_refit_samples_and_its_level_follows_at_once() -> None:
+    """A fit of the slopes is most of a full choice's host time: once a bucket's window is full they are drawn
+    again every HOST_REFIT samples, while the level follows every sample (a host that slowed down shows in
+    the next choice's prices)."""
+    costs, rng = StepCosts(K, 8), np.random.default_rng(0)
+    for i in range(StepCosts.HOST_WINDOW):
+        tokens = 8 * (1 + rng.integers(0, 3))
+        costs.observe(8, 2 * (i % 2), 1e-4, host=0.5e-3 + 0.02e-3 * tokens, overlapped=True, tokens=tokens)
+    a, slope, _ = costs.host_line(8)
+    assert slope == pytest.approx(0.02e-3 / 8 * 8) and a == pytest.approx(0.5e-3)
+    for i in range(costs.window):  # the host slows by 0.3 ms a step, and per token too
+        tokens = 8 * (1 + rng.integers(0, 3))
+        costs.observe(8, 2 * (i % 2), 1e-4, host=0.8e-3 + 0.04e-3 * tokens, overlapped=True, tokens=tokens)
+    a2, slope2, _ = costs.host_line(8)
+    assert slope2 == slope and a2 > a + 0.3e-3  # the level moved at once (the tokens' share with it)
+    for i in range(StepCosts.HOST_REFIT):
+        tokens = 8 * (1 + rng.integers(0, 3))
+        costs.observe(8, 2 * (i % 2), 1e-4, host=0.8e-3 + 0.04e-3 * tokens, overlapped=True, tokens=tokens)
+    assert costs.host_line(8)[1] > 1.2 * slope  # fitted again
+
+
 def test_outlying_laps_move_no_cost_and_a_bad_first_one_is_forgotten_at_once() -> None:
     costs = StepCosts(K, 8)
     costs.observe(1, 4, 1.0)
@@ -159,6 +180,8 @@ def test_a_host_that_drifted_between_two_ks_draws_no_slope() -> None:
     a, slope, _ = costs.host_line(256)
     assert slope == 0.0 and a == pytest.approx(1.5e-3)
     costs.host_slopes[costs.bucket(256)] = 1e-5  # a steep slope kept from before: capped at host / tokens now
+    for _ in range(StepCosts.HOST_REFIT):  # (a full window's slopes are fitted again every HOST_REFIT samples)
+        costs.observe(256, 0, 1e-3, host=1.5e-3, overlapped=True, tokens=256.0)
     a, slope, _ = costs.host_line(256)
     assert a >= 0.0 and slope == pytest.approx(1.5e-3 / 256)
 
