@@ -70,7 +70,10 @@ class DeviceCosts:
         if first:
             self.seconds[b, k] = device  # marks the cell measured; its median waits for `row`
         self._count += 1
-        self._refit |= bool(first) or self._count % self.REFIT == 0
+        # A first sample of a seeded cell changes no estimate (the seed stood for it): its row is re-read only.
+        # On the GPU every cell is seeded, and a closed loop's drain measured a new cell in each small bucket
+        # it passed through: a refit each, up to 5 ms a full choice on the H100's host (run 175).
+        self._refit |= bool(first and np.isnan(self.seeds[b, k])) or self._count % self.REFIT == 0
         self._stale[b] = True
 
     def seed(self, b: int, k: int, seconds: float) -> None:
@@ -264,9 +267,10 @@ class StepCosts:
         host were free. Zeros before any sample.
 
         The level a (and the median) follow the bucket's newest samples at every call; the slopes b and c,
-        drawn from its whole window, are fitted again only every HOST_REFIT samples once the window is full:
-        a fit is most of a full choice's host time (about 0.4 ms of 1.1 on the H100's host, run 168), and a
-        quarter of a window moves it little."""
+        drawn from its whole window, are fitted again only once the bucket's samples have grown by half
+        since the last fit, or by HOST_REFIT: a fit is most of a full choice's host time (about 0.4 ms of
+        1.1 on the H100's host, run 168), half a window moves it little, and a small bucket that a
+        draining batch passes through would otherwise fit at every choice."""
         b = self.bucket(batch)
         if self.host_samples[b] == 0:
             sampled = np.flatnonzero(self.host_samples)
@@ -277,7 +281,7 @@ class StepCosts:
         n = min(count, self.HOST_WINDOW)
         newest = self.host_recent[b, (count - 1 - self._newest[: min(n, self.window)]) % self.HOST_WINDOW]
         now_s, now_e, now_k = newest.T  # per request, the newest `window` samples
-        if n < self.HOST_WINDOW or count - self._fitted_at[b] >= self.HOST_REFIT:
+        if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
             self._slopes[b] = self._fit_slopes(b, n, now_s, now_e, now_k)
             self._fitted_at[b] = count
         slope, per_draft = self._slopes[b]
