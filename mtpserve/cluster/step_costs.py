@@ -38,9 +38,9 @@ class DeviceCosts:
     a line (`per_draft_cost` before any).
 
     A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
-    when a cell is first measured and every `REFIT` samples after; `row` estimates what is marked when
-    the chooser asks (once per dwell, not every step). Between refits a row's measured cells follow their
-    samples and its estimated ones hold.
+    when a cell without a seed is first measured and every `REFIT` samples after; `row` estimates what is
+    marked when the chooser asks (once per dwell, not every step). Between refits a row's measured cells
+    follow their samples and its estimated ones hold.
     """
 
     REFIT = 256  # a refit is about as costly as the rest of a full choice: every 32 samples it was every 4th
