@@ -56,15 +56,15 @@ class _Load:
         self.spec, self.rows, self.steps = spec, rows, 0
         n = len(rows)
         self.ks = [max_k - i % 2 for i in range(self.POOL)]  # two k: the host line has a slope per draft
-        self.drafts = [np.full(n, k) for k in self.ks]
-        self.accepted = [np.minimum(rng.geometric(0.35, n) - 1, k) for k in self.ks]
-        self.tokens = [float(a.sum() + n) for a in self.accepted]
+        accepted = [np.minimum(rng.geometric(0.35, n) - 1, k) for k in self.ks]
+        self.seen = [list(zip(rows.tolist(), [k] * n, a.tolist())) for k, a in zip(self.ks, accepted)]
+        self.tokens = [float(a.sum() + n) for a in accepted]
         self.device = [0.3e-3 * (1 + 0.1 * k) * rng.uniform(0.95, 1.05) for k in self.ks]
         self.host = [(0.1e-3 + 2e-6 * n + 3e-6 * t) * rng.uniform(0.9, 1.3) for t in self.tokens]
 
     def step(self) -> None:
         i, n = self.steps % self.POOL, len(self.rows)
-        self.spec.acceptance.observe(self.rows, self.drafts[i], self.accepted[i])
+        self.spec.acceptance.observe_step(self.seen[i])  # as the scheduler gathers a step's counts
         device, host = self.device[i], self.host[i]
         self.spec.costs.observe(n, self.ks[i], device, host, True, self.tokens[i], True, max(device, host) + 2e-5)
         self.steps += 1

@@ -222,9 +222,8 @@ class Scheduler:
             self._offer(req)
             if req.finish_reason:
                 self.finish(req, req.finish_reason)
-        if self.adaptive is not None and seen:
-            rows, num_drafts, num_accepted = np.array(seen, dtype=np.int64).T
-            self.adaptive.acceptance.observe(rows, num_drafts, num_accepted)
+        if self.adaptive is not None:
+            self.adaptive.acceptance.observe_step(seen)
         return advanced
 
     def _choose_k(self) -> None:

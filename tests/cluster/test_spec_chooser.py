@@ -189,6 +189,27 @@ def test_a_block_of_mixed_outcomes_moves_each_estimate_toward_their_mean() -> No
     np.testing.assert_allclose(t.prior, [0.5**4 * 0.6 + (1 - 0.5**4) * 0.5, 0.6, 0.6, 0.6])
 
 
+def test_a_step_queued_as_the_scheduler_gathers_it_folds_as_arrays_do() -> None:
+    """The scheduler queues each step as (row, drafts, accepted) triples, made an array only at the fold."""
+    config = AdaptiveConfig(max_k=K, max_rows=8)
+    arrays, triples = AcceptanceTable(config), AcceptanceTable(config)
+    rows = [arrays.acquire(K, True) for _ in range(5)]
+    assert [triples.acquire(K, True) for _ in range(5)] == rows
+    rng = np.random.default_rng(5)
+    for _ in range(12):
+        r = rng.choice(rows, size=int(rng.integers(1, 6)), replace=False)
+        drafts = rng.integers(1, K + 1, len(r))
+        accepted = (rng.random(len(r)) * (drafts + 1)).astype(np.int64)
+        arrays.observe(r, drafts, accepted)
+        triples.observe_step(list(zip(r.tolist(), drafts.tolist(), accepted.tolist())))
+    triples.observe_step([])  # a step where nobody drafted queues nothing
+    arrays.flush()
+    triples.flush()
+    for a, b in ((arrays.p, triples.p), (arrays.n, triples.n), (arrays.prior, triples.prior)):
+        np.testing.assert_array_equal(a, b)
+    assert arrays.prior_list == triples.prior_list == triples.prior.tolist() and arrays.prior_list != [0.8] * K
+
+
 def test_a_reused_row_starts_over_and_its_old_steps_count_for_the_prior_only() -> None:
     t = AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=2, initial_acceptance=0.6, prior_decay=0.5))
     row = t.acquire(K, True)
