@@ -146,11 +146,17 @@ def _observe_stepwise(t: AcceptanceTable, steps: list[tuple[np.ndarray, np.ndarr
         t.n[:, rows] = np.where(seen, (1 - d) * t.n[:, rows] + 1, t.n[:, rows])
 
 
-def test_queued_steps_fold_as_one_by_one_updates_where_a_rows_outcomes_agree() -> None:
+def _twin_tables(n: int) -> tuple[AcceptanceTable, AcceptanceTable, list[int]]:
+    """Two tables with the same n rows acquired, to be fed alike by two routes."""
     config = AdaptiveConfig(max_k=K, max_rows=8)
-    folded, stepwise = AcceptanceTable(config), AcceptanceTable(config)
-    rows = [folded.acquire(K, True) for _ in range(6)]
-    assert [stepwise.acquire(K, True) for _ in range(6)] == rows
+    a, b = AcceptanceTable(config), AcceptanceTable(config)
+    rows = [a.acquire(K, True) for _ in range(n)]
+    assert [b.acquire(K, True) for _ in range(n)] == rows
+    return a, b, rows
+
+
+def test_queued_steps_fold_as_one_by_one_updates_where_a_rows_outcomes_agree() -> None:
+    folded, stepwise, rows = _twin_tables(6)
     rng = np.random.default_rng(3)
     drafts = dict(zip(rows, rng.integers(0, K + 1, 6)))  # each row drafts and accepts alike at every step
     accepted = {r: int(rng.integers(0, d + 1)) for r, d in drafts.items()}
@@ -191,10 +197,7 @@ def test_a_block_of_mixed_outcomes_moves_each_estimate_toward_their_mean() -> No
 
 def test_a_step_queued_as_the_scheduler_gathers_it_folds_as_arrays_do() -> None:
     """The scheduler queues each step as (row, drafts, accepted) triples, made an array only at the fold."""
-    config = AdaptiveConfig(max_k=K, max_rows=8)
-    arrays, triples = AcceptanceTable(config), AcceptanceTable(config)
-    rows = [arrays.acquire(K, True) for _ in range(5)]
-    assert [triples.acquire(K, True) for _ in range(5)] == rows
+    arrays, triples, rows = _twin_tables(5)
     rng = np.random.default_rng(5)
     for _ in range(12):
         r = rng.choice(rows, size=int(rng.integers(1, 6)), replace=False)
