@@ -94,12 +94,12 @@ class AcceptanceTable:
     list append: the host pays per step only that; made an array every step, they took 180 us at 256
     requests on the 2-core CPU), and folded in when the chooser reads the estimates (once per dwell) or
     on `flush`, as one block: each (row, position) moves by the weight its s new observations have
-    together, 1 - (1 - decay)^s, toward their mean. That is the one-by-one update where a row's outcomes within the block agree, and their average
-    over orders where they differ (a dwell is 8 steps or more, a topic changes over a few dozen). The
-    block fold is a few whole-table operations (two bincounts): on the H100's host, where a numpy call
-    costs about 3 us, the exact one-by-one fold took 0.43 ms of a full choice (run 168). A row admitted
-    in between starts from the prior of the last fold, and only the observations queued after its
-    admission are its own.
+    together, 1 - (1 - decay)^s, toward their mean. That is the one-by-one update where a row's outcomes
+    within the block agree, and their average over orders where they differ (a dwell is 8 steps or more, a
+    topic changes over a few dozen). The block fold is a few whole-table operations (two bincounts): on
+    the H100's host, where a numpy call costs about 3 us, the exact one-by-one fold took 0.43 ms of a full
+    choice (run 168). A row admitted in between starts from the prior of the last fold, and only the
+    observations queued after its admission are its own.
     """
 
     def __init__(self, config: AdaptiveConfig) -> None:
@@ -228,11 +228,12 @@ class AdaptiveSpec:
         self._rows: np.ndarray | None = None
         self._rows_active = False
         self._batch, self._rows_bucket = -1, -1  # the batch size priced, and its bucket
-        # Per bucket, its last choice (k, the step it was made at, its dwell): a batch that returns to a bucket
-        # whose choice still holds takes it up again. At c = 1 the next request joins while the last one
-        # finishes: the batch went 1 -> 2 -> 1 and made two full choices per request (run 171).
+        # Per bucket, its last choice (k, the k a probe left, the step it was made at, its dwell): a batch that
+        # returns to a bucket whose choice still holds takes it up again. At c = 1 the next request joins while
+        # the last one finishes: the batch went 1 -> 2 -> 1 and made two full choices per request (run 171).
         buckets = len(self.costs.buckets)
         self._k_of = np.zeros(buckets, dtype=np.int64)
+        self._probed_from_of = np.full(buckets, -1, dtype=np.int64)
         self._made_at = np.full(buckets, -(2**62), dtype=np.int64)
         self._dwell_of = np.zeros(buckets, dtype=np.int64)
 
@@ -266,7 +267,7 @@ class AdaptiveSpec:
                 self._made_at[:] = -(2**62)  # the buckets' choices were made for the other mode
         self.active, bucket = self._rows_active, self._rows_bucket
         if batch > 0 and bucket != self._bucket and t.now - self._made_at[bucket] < self._dwell_of[bucket]:
-            self.k, self._bucket = int(self._k_of[bucket]), bucket
+            self.k, self._bucket, self._probed_from = int(self._k_of[bucket]), bucket, int(self._probed_from_of[bucket])
             self._held, self.dwell = int(t.now - self._made_at[bucket]), int(self._dwell_of[bucket])
         if rows.size == 0 and batch > 0:  # only newcomers: their prefills run the k chosen now, unless the
             # last choice was made for this bucket and still holds: at c = 1 every request arrives to an empty
@@ -334,6 +335,7 @@ class AdaptiveSpec:
         """Keep the choice just made as its bucket's."""
         b = self._bucket
         self._k_of[b], self._made_at[b], self._dwell_of[b] = self.k, self.acceptance.now - self._held, self.dwell
+        self._probed_from_of[b] = self._probed_from  # a probe taken up again still returns to its k
 
     def _dwell(self, choice_seconds: float, step_seconds: float) -> int:
         """The longest dwell of a choice that holds: min_dwell, or more where a choice would cost more than

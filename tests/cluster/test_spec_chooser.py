@@ -498,6 +498,22 @@ def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypat
     assert spec.dwell == 64 and spec._held == 21
 
 
+def test_a_probe_taken_up_again_in_its_bucket_still_returns_to_its_k() -> None:
+    """A bucket's remembered choice carries the k its probe left: without it, the next choice there held the
+    probed k + 1 by the hysteresis, as if it were the current choice."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, probe_after=4))
+    for k, cost in enumerate([1.0, 1.2, 1.3, 1.4, 2.0]):  # at p = 0.5 k = 2 is best, k = 3 0.5 % behind
+        spec.costs.seed(1, k, cost * 1e-3)
+        spec.costs.seed(4, k, 1e-3 * (1 + 5 * k))  # at four requests drafts do not pay
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.5))
+    assert spec.choose(row) == 2
+    assert [spec.choose(row) for _ in range(8)][-1] == 3  # k = 2 kept: position 3 is probed
+    assert spec.choose(row, batch=4) == 0  # two buckets away: chosen for at once
+    assert spec.choose(row) == 3  # back within the probe's dwell: it is taken up again ...
+    assert [spec.choose(row) for _ in range(8)][-1] == 2  # ... and the choice after it returns to k = 2
+
+
 def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:
     """The same acceptance, cheap greedy drafts and dear sampled ones: a greedy batch runs every draft, a
     sampled batch none; a batch that turns sampled is chosen for at once."""
