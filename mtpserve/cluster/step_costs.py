@@ -151,11 +151,16 @@ class StepCosts:
     median over the recent ones of the batch's bucket) and added to the device's share: at T = 1, c = 8
     on the H100 the laps exceeded max(host, device) by 0.05-0.26 ms (10-24 %), about the same at every
     device-bound k. One median for every bucket read 3.7 ms at c = 8 after a closed loop had drained
-    through small batches (step_costs.py, run 66), and priced every k at 4 ms there.
+    through small batches (step_costs.py, run 66), and priced every k at 4 ms there. Nor is it added to a k
+    whose own recent laps were mostly host-bound: at T = 1, c = 8 the bucket's gap, 0.165 ms from k = 3's
+    device-bound laps, priced host-bound k = 2 steps at 0.65 ms where they took 0.59, k = 3 looked as good,
+    and auto ran it for half its steps at 0.88 of fixed k = 2 (run 178). Such a k is priced at
+    max(host, device); a k with no recent lap of its own takes the bucket's gap.
     """
 
     HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
     GAP_WINDOW = 64  # device-bound laps behind the gap's median
+    K_LAPS = 16  # overlapped laps per (bucket, k) that tell whether its steps are device-bound
     DEVICE_BOUND = 0.1  # a lap is the device's period when the host waited at least this share of it
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
@@ -179,6 +184,9 @@ class StepCosts:
         # lap - device of device-bound overlapped laps, a ring per bucket
         self.gap_recent = np.zeros((len(self.buckets), self.GAP_WINDOW))
         self.gap_samples = np.zeros(len(self.buckets), dtype=np.int64)
+        # Per (bucket, k), its recent overlapped laps: lap - device where device-bound, NaN where host-bound.
+        self.k_laps = np.full((len(self.buckets), max_k + 1, self.K_LAPS), np.nan)
+        self.k_lap_samples = np.zeros((len(self.buckets), max_k + 1), dtype=np.int64)
         self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1))
         self._slopes = np.zeros((len(self.buckets), 2))  # per bucket, (b, c) of its last fit (see _host_fit)
         self._fitted_at = np.zeros(len(self.buckets), dtype=np.int64)  # host_samples at that fit
@@ -197,9 +205,13 @@ class StepCosts:
         self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host / max(batch, 1), tokens / max(batch, 1), k
         self.host_samples[b] += 1
         self.overlapped = overlapped
-        if overlapped and lap - host > self.DEVICE_BOUND * lap > 0:
-            self.gap_recent[b, self.gap_samples[b] % self.GAP_WINDOW] = max(lap - device, 0.0)
-            self.gap_samples[b] += 1
+        if overlapped and lap > 0:
+            bound = lap - host > self.DEVICE_BOUND * lap
+            self.k_laps[b, k, self.k_lap_samples[b, k] % self.K_LAPS] = max(lap - device, 0.0) if bound else np.nan
+            self.k_lap_samples[b, k] += 1
+            if bound:
+                self.gap_recent[b, self.gap_samples[b] % self.GAP_WINDOW] = max(lap - device, 0.0)
+                self.gap_samples[b] += 1
 
     def gap(self, batch: int) -> float:
         """Seconds a device-bound overlapped step of this batch's bucket lasts beyond its device share: the
@@ -209,6 +221,14 @@ class StepCosts:
             return 0.0
         b = self._nearest(sampled, self.bucket(batch))
         return _median(self.gap_recent[b, : min(self.gap_samples[b], self.GAP_WINDOW)])
+
+    def gaps(self, batch: int) -> np.ndarray:
+        """[K + 1] the gap priced at each k: the bucket's (see gap), except 0 at a k whose recent laps in the
+        bucket were mostly host-bound."""
+        b = self.bucket(batch)
+        seen = np.minimum(self.k_lap_samples[b], self.K_LAPS)
+        bound = np.count_nonzero(~np.isnan(self.k_laps[b]), axis=1)
+        return np.where((seen > 0) & (2 * bound < seen), 0.0, self.gap(batch))
 
     def seed(self, batch: int, k: int, seconds: float, greedy: bool = True) -> None:
         """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
@@ -222,7 +242,7 @@ class StepCosts:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
         (None: the host's share as it is now at every k; a unitless prior before any timing)."""
         device, host = self.device(batch, greedy), self.host(batch, tokens)
-        return np.maximum(host, device + self.gap(batch)) if self.overlapped else host + device
+        return np.maximum(host, device + self.gaps(batch)) if self.overlapped else host + device
 
     def device(self, batch: int, greedy: bool = True) -> np.ndarray:
         """[K + 1] device seconds of a step at each k (estimated where not measured). A mode that knows nothing

@@ -67,6 +67,20 @@ def test_a_device_bound_laps_gap_past_the_device_share_is_priced_in() -> None:
     assert (np.abs(priced / laps - 1) < 0.10).all() and (np.abs(bare / laps - 1) > 0.10).all()
 
 
+def test_a_k_whose_laps_are_host_bound_is_not_priced_with_the_device_bound_gap() -> None:
+    """T = 1, c = 8 on the H100 (run 178): k = 3's laps were device-bound, 0.165 ms past its device share;
+    k = 2's were host-bound (0.59 ms, host 0.58, device 0.48). The bucket's gap added to k = 2 priced it at
+    0.65 ms, and k = 3, 11 % slower in fixed-k cells, looked as good per token."""
+    costs = StepCosts(K, 64)
+    for _ in range(8):
+        costs.observe(8, 3, 0.575e-3, host=0.50e-3, overlapped=True, lap=0.74e-3)
+        costs.observe(8, 2, 0.480e-3, host=0.58e-3, overlapped=True, lap=0.59e-3)
+    priced = costs.costs(8)
+    assert abs(costs.gap(8) - 0.165e-3) < 1e-9
+    assert priced[3] == pytest.approx(0.74e-3) and priced[2] < 0.6e-3
+    assert costs.gaps(8)[1] == costs.gap(8)  # a k without laps of its own takes the bucket's gap
+
+
 def test_the_gap_is_kept_per_batch_bucket() -> None:
     """A drained closed loop's small batches wait on the device by milliseconds that a full batch's laps do
     not (one median for every bucket read 3.7 ms at c = 8 on the H100 and priced every k there at 4 ms):
