@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -208,6 +209,15 @@ class AcceptanceTable:
         self.prior_list = self.prior.tolist()
 
 
+class _Held(NamedTuple):
+    """A bucket's last choice: its k, the k a probe of it left (-1: none), the step it was made at, its dwell."""
+
+    k: int
+    probed_from: int
+    made_at: int
+    dwell: int
+
+
 class AdaptiveSpec:
     """The scheduler's view: a row per running request, the chosen k per step, and what it learns."""
 
@@ -228,14 +238,10 @@ class AdaptiveSpec:
         self._rows: np.ndarray | None = None
         self._rows_active = False
         self._batch, self._rows_bucket = -1, -1  # the batch size priced, and its bucket
-        # Per bucket, its last choice (k, the k a probe left, the step it was made at, its dwell): a batch that
-        # returns to a bucket whose choice still holds takes it up again. At c = 1 the next request joins while
-        # the last one finishes: the batch went 1 -> 2 -> 1 and made two full choices per request (run 171).
-        buckets = len(self.costs.buckets)
-        self._k_of = np.zeros(buckets, dtype=np.int64)
-        self._probed_from_of = np.full(buckets, -1, dtype=np.int64)
-        self._made_at = np.full(buckets, -(2**62), dtype=np.int64)
-        self._dwell_of = np.zeros(buckets, dtype=np.int64)
+        # Per bucket, its last choice: a batch that returns to a bucket whose choice still holds takes it up
+        # again. At c = 1 the next request joins while the last one finishes: the batch went 1 -> 2 -> 1 and
+        # made two full choices per request (run 171).
+        self._held_of: dict[int, _Held] = {}
 
     def admit(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k; greedy: it
@@ -264,11 +270,12 @@ class AdaptiveSpec:
             greedy = bool(t.greedy.take(rows).all()) if rows.size else self.greedy  # none running: keep the mode
             if greedy != self.greedy:  # another mode, other costs: choose again now
                 self.greedy, self._held = greedy, self.dwell
-                self._made_at[:] = -(2**62)  # the buckets' choices were made for the other mode
+                self._held_of.clear()  # the buckets' choices were made for the other mode
         self.active, bucket = self._rows_active, self._rows_bucket
-        if batch > 0 and bucket != self._bucket and t.now - self._made_at[bucket] < self._dwell_of[bucket]:
-            self.k, self._bucket, self._probed_from = int(self._k_of[bucket]), bucket, int(self._probed_from_of[bucket])
-            self._held, self.dwell = int(t.now - self._made_at[bucket]), int(self._dwell_of[bucket])
+        kept = self._held_of.get(bucket) if batch > 0 and bucket != self._bucket else None
+        if kept is not None and t.now - kept.made_at < kept.dwell:  # a probe taken up again returns to its k
+            self.k, self._bucket, self._probed_from = kept.k, bucket, kept.probed_from
+            self._held, self.dwell = t.now - kept.made_at, kept.dwell
         if rows.size == 0 and batch > 0:  # only newcomers: their prefills run the k chosen now, unless the
             # last choice was made for this bucket and still holds: at c = 1 every request arrives to an empty
             # batch, and a full choice for each (about 0.5 ms on the H100's host) cost auto 3-5 % (run 96).
@@ -333,9 +340,7 @@ class AdaptiveSpec:
 
     def _remember(self) -> None:
         """Keep the choice just made as its bucket's."""
-        b = self._bucket
-        self._k_of[b], self._made_at[b], self._dwell_of[b] = self.k, self.acceptance.now - self._held, self.dwell
-        self._probed_from_of[b] = self._probed_from  # a probe taken up again still returns to its k
+        self._held_of[self._bucket] = _Held(self.k, self._probed_from, self.acceptance.now - self._held, self.dwell)
 
     def _dwell(self, choice_seconds: float, step_seconds: float) -> int:
         """The longest dwell of a choice that holds: min_dwell, or more where a choice would cost more than

@@ -305,10 +305,8 @@ class StepCosts:
             self._slopes[b] = self._fit_slopes(b, n, now_s, now_e, now_k)
             self._fitted_at[b] = count
         slope, per_draft = self._slopes[b]
-        median = np.partition(now_s, (len(now_s) - 1) // 2)[(len(now_s) - 1) // 2]
-        rest = now_s - slope * now_e - per_draft * now_k
-        level = np.partition(rest, (len(rest) - 1) // 2)[(len(rest) - 1) // 2]
-        return float(level) * batch, float(slope), max(float(per_draft), 0.0), float(median) * batch
+        level = _lower_median(now_s - slope * now_e - per_draft * now_k)
+        return level * batch, float(slope), max(float(per_draft), 0.0), _lower_median(now_s) * batch
 
     def _fit_slopes(self, b: int, n: int, now_s: np.ndarray, now_e: np.ndarray, now_k: np.ndarray
                     ) -> tuple[float, float]:
@@ -337,6 +335,12 @@ class StepCosts:
             scale = (1.0 - self.HOST_KEPT) / saved
             slope, per_draft = slope * scale, per_draft * scale
         return slope, per_draft
+
+
+def _lower_median(x: np.ndarray) -> float:
+    """The lower median of a small 1-D array (the middle one of an odd count)."""
+    mid = (x.shape[0] - 1) // 2
+    return float(np.partition(x, mid)[mid])
 
 
 def _median(x: np.ndarray) -> float:
