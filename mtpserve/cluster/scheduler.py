@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,7 +234,8 @@ class Scheduler:
                 self._rows = np.fromiter((r.spec_row for r in self.running), dtype=np.int64, count=len(self.running))
             # Priced at the batch the decode will run at: the running requests and the waiting ones that join.
             batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
-            self.step_k = self.adaptive.choose(self._rows, batch)
+            newcomers_adaptive = bool(self.running) or any(r.adaptive for r in islice(self.waiting, batch))
+            self.step_k = self.adaptive.choose(self._rows, batch, newcomers_adaptive)
 
     def _spec(self, req: Request) -> int:
         """Drafts the request's chain makes this step: for an adaptive request the step's k (at most its

@@ -16,10 +16,12 @@ Three pieces, all numpy over the batch (no per-request Python work beyond gather
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from itertools import chain
-from typing import NamedTuple
+from itertools import accumulate, chain
+from operator import mul
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -66,7 +68,7 @@ def expected_tokens(p: np.ndarray) -> np.ndarray:
     return np.concatenate((np.ones((p.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(p, axis=1), axis=1)), axis=1)
 
 
-def choose_k(gains: np.ndarray, base: float, floor: int, cost: np.ndarray, current: int,
+def choose_k(gains: Sequence[float], base: float, floor: int, cost: Sequence[float], current: int,
              hysteresis: float = 0.0) -> int:
     """The step's k in 0..K maximising expected tokens per second of the batch.
 
@@ -74,13 +76,14 @@ def choose_k(gains: np.ndarray, base: float, floor: int, cost: np.ndarray, curre
     past a request's cap); base: tokens the step emits whatever k is (one per request plus the fixed
     requests' accepted drafts); floor: the largest fixed request's k (the step runs at least that);
     cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless another
-    k beats it by the fraction `hysteresis`.
+    k beats it by the fraction `hysteresis`. Plain Python over K + 1 floats (numpy calls on this cold path
+    cost several microseconds each inside the engine).
     """
-    ks = np.arange(cost.shape[0])
-    tokens = base + np.concatenate(([0.0], np.cumsum(gains)))[: len(ks)]
-    rate = tokens / cost[np.maximum(ks, floor)]
-    best = int(np.argmax(rate))
-    if 0 <= current < len(ks) and rate[best] <= rate[current] * (1.0 + hysteresis):
+    cost = cost.tolist() if isinstance(cost, np.ndarray) else cost
+    tokens = list(accumulate(gains[: len(cost) - 1], initial=base))
+    rate = [t / cost[max(k, floor)] for k, t in enumerate(tokens)]
+    best = max(range(len(rate)), key=rate.__getitem__)  # the first of equal rates, as argmax
+    if 0 <= current < len(rate) and rate[best] <= rate[current] * (1.0 + hysteresis):
         return current
     return best
 
@@ -116,7 +119,7 @@ class AcceptanceTable:
         self.adaptive = np.zeros(rows, dtype=bool)
         self.greedy = np.ones(rows, dtype=bool)  # the row's request samples greedily (the step costs' mode)
         self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
-        self.prior_seen = np.zeros(k)  # observations of each position folded into the prior
+        self.prior_seen = [0] * k  # observations of each position folded into the prior
         self.now = 0  # steps so far (the chooser counts them)
         self.drafted_at = np.zeros(k, dtype=np.int64)  # the fold that last saw each position, any request
         self._free = list(range(rows - 1, -1, -1))
@@ -142,7 +145,7 @@ class AcceptanceTable:
         self.flush()
         self.p[:, rows], self.n[:, rows] = p, 1e12
 
-    def fold(self, rows: np.ndarray) -> tuple[np.ndarray, float, int]:
+    def fold(self, rows: np.ndarray) -> tuple[list[float], float, int]:
         """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
         token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k). Each row's
         estimate is shrunk toward the prior by its observation count, as if the prior were prior_strength
@@ -154,7 +157,7 @@ class AcceptanceTable:
         np.cumprod(reach, axis=0, out=reach)  # prod_{i <= j} p_i
         reach *= self.within.take(rows, axis=1)
         gains = reach @ self.adaptive.take(rows)
-        return gains, rows.size + float(reach.sum() - gains.sum()), int(self.floor_cap.take(rows).max())
+        return gains.tolist(), rows.size + float(reach.sum() - gains.sum()), int(self.floor_cap.take(rows).max())
 
     def observe(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
         """A step verified drafts[i] drafts of row rows[i] (each row once) and accepted accepted[i] of them:
@@ -202,11 +205,13 @@ class AcceptanceTable:
         per observation) and a plain running mean's (the initial prior counting as prior_weight observations),
         so that the engine-wide figure settles within the first steps, and requests that start from it do
         not run for long at the initial guess."""
-        self.prior_seen += seen
-        weight = np.maximum(1.0 - (1.0 - self.config.prior_decay) ** seen,
-                            seen / (self.config.prior_weight + self.prior_seen))
-        self.prior += weight * (hits / np.maximum(seen, 1) - self.prior)
-        self.prior_list = self.prior.tolist()
+        c, prior = self.config, self.prior_list
+        for j, (s, h) in enumerate(zip(seen.tolist(), hits.tolist())):  # K positions: plain Python
+            if s:
+                self.prior_seen[j] += s
+                weight = max(1.0 - (1.0 - c.prior_decay) ** s, s / (c.prior_weight + self.prior_seen[j]))
+                prior[j] += weight * (h / s - prior[j])
+        self.prior[:] = prior
 
 
 class _Held(NamedTuple):
@@ -251,13 +256,15 @@ class AdaptiveSpec:
     def release(self, row: int) -> None:
         self.acceptance.release(row)
 
-    def choose(self, rows: np.ndarray, batch: int | None = None) -> int:
+    def choose(self, rows: np.ndarray, batch: int | None = None, newcomers_adaptive: bool = True) -> int:
         """The step's k for the requests in `rows` (each adaptive one then runs min(k, its cap)), priced at the
         batch size the decode steps will run at (`batch`, at least rows.size: the running requests and the
         waiting ones that will join them). While a closed loop ramps up, a few dozen requests join per step;
         chosen for the few that ran, k dipped to 1 or 2, the joining requests prefilled with part of their
         chains, and every one of them was caught up when k rose again (196 catch-ups a cell at c = 256, T = 1,
-        run 72 on the H100)."""
+        run 72 on the H100). `newcomers_adaptive`: whether any waiting request that joins chooses its k (where
+        none runs and none of them does, nothing is chosen: a fixed-k cell at c = 1 made a full choice per
+        request, about 1.5 % of its time on the H100's host, run 180)."""
         t = self.acceptance
         t.now += 1
         self._held += 1
@@ -276,8 +283,8 @@ class AdaptiveSpec:
         if kept is not None and t.now - kept.made_at < kept.dwell:  # a probe taken up again returns to its k
             self.k, self._bucket, self._probed_from = kept.k, bucket, kept.probed_from
             self._held, self.dwell = t.now - kept.made_at, kept.dwell
-        if rows.size == 0 and batch > 0:  # only newcomers: their prefills run the k chosen now, unless the
-            # last choice was made for this bucket and still holds: at c = 1 every request arrives to an empty
+        if rows.size == 0 and batch > 0 and newcomers_adaptive:  # only newcomers: they prefill at this k, unless
+            # the last choice was made for this bucket and still holds: at c = 1 every request arrives to an empty
             # batch, and a full choice for each (about 0.5 ms on the H100's host) cost auto 3-5 % (run 96).
             if bucket != self._bucket or self._held >= self.dwell:
                 return self._choose_for_newcomers(batch)
@@ -296,8 +303,8 @@ class AdaptiveSpec:
             self._bucket = bucket
             t0 = time.perf_counter()
             gains, base, floor = t.fold(rows)
-            tokens = base + np.concatenate(([0.0], np.cumsum(gains)))  # per k, of the running rows
-            costs = self.costs.costs(batch, tokens * (batch / rows.size), self.greedy)  # as many per request
+            scale = batch / rows.size  # priced as many tokens per request as the running rows emit
+            costs = self.costs.costs(batch, [t * scale for t in accumulate(gains, initial=base)], self.greedy)
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
             current = self.k if self._probed_from < 0 else self._probed_from  # a probe lasts one dwell
@@ -328,8 +335,8 @@ class AdaptiveSpec:
         c = 256 the first wave of each closed loop prefilled at k = 2 or 3 and 196 requests were caught up
         when k rose to 4 (run 73). Held for the next min_dwell steps, by then chosen for its own rows."""
         self._bucket = self._rows_bucket
-        gains = batch * np.cumprod(self.acceptance.prior[: self.config.max_k])
-        tokens = batch + np.concatenate(([0.0], np.cumsum(gains)))  # per k, as in choose
+        gains = [batch * reach for reach in accumulate(self.acceptance.prior_list[: self.config.max_k], mul)]
+        tokens = list(accumulate(gains, initial=float(batch)))  # per k, as in choose
         self.k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), self.k,
                           self.config.hysteresis)
         self._probed_from = -1
@@ -349,7 +356,7 @@ class AdaptiveSpec:
         at c = 8 (0.3 ms steps) a dwell paced by its cost alone held the first choice of a greedy cell, k = 2,
         for 128 of its ~320 steps before k = 4, where fixed k = 4 ran 20 % faster (run 140)."""
         c = self.config
-        return int(np.clip(np.ceil(choice_seconds / (c.choice_share * step_seconds)), c.min_dwell, c.max_dwell))
+        return min(max(math.ceil(choice_seconds / (c.choice_share * step_seconds)), c.min_dwell), c.max_dwell)
 
     def _explore(self, k: int, batch: int) -> int:
         """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
@@ -359,7 +366,7 @@ class AdaptiveSpec:
             return k - 1
         return k
 
-    def _probe_up(self, k: int, gains: np.ndarray) -> int:
+    def _probe_up(self, k: int, gains: list[float]) -> int:
         """k + 1 for one dwell where the choice stays at k and no request has drafted position k + 1 for
         probe_after steps (see AdaptiveConfig.probe_after); the next choice holds to k unless, with what the
         probe observed, k + 1 beats it by the hysteresis. A probe counts as drafting the position: where no

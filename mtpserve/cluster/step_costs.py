@@ -19,6 +19,11 @@ kept apart because they behave differently:
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from itertools import islice
+from typing import Sequence
+
 import numpy as np
 
 from mtpserve.workers.cuda_graphs import batch_buckets
@@ -40,7 +45,9 @@ class DeviceCosts:
     A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
     when a cell without a seed is first measured and every `REFIT` samples after; `row` estimates what is
     marked when the chooser asks (once per dwell, not every step). Between refits a row's measured cells
-    follow their samples and its estimated ones hold.
+    follow their samples and its estimated ones hold. A step's sample and a row's update are plain Python
+    over a few floats: inside the engine each numpy call on the chooser's cold path cost 5-8 us (a full
+    choice about 1 ms on the 2-core CPU, against 0.5 ms in a loop); the whole table's refit stays numpy.
     """
 
     REFIT = 256  # a refit is about as costly as the rest of a full choice: every 32 samples it was every 4th
@@ -50,49 +57,56 @@ class DeviceCosts:
         shape = (len(buckets), max_k + 1)
         self.seconds = np.full(shape, np.nan)  # medians, where measured
         self.seeds = np.full(shape, np.nan)  # start-up timings
-        self.samples = np.zeros(shape, dtype=np.int64)
-        self.recent = np.full(shape + (window,), np.nan)  # the last samples, a ring
+        self._seeds = self.seeds.tolist()  # the same, read per step
+        self._recent = [[deque(maxlen=window) for _ in range(max_k + 1)] for _ in buckets]  # each cell's last samples
+        self._counts = [[0] * (max_k + 1) for _ in buckets]
         self._count = 0
         self._slope = per_draft_cost
-        self._table = self._estimate()
-        self._stale = np.zeros(len(buckets), dtype=bool)  # rows of _table to estimate again
+        self._table: list[list[float]] = self._estimate().tolist()
+        self._stale = [False] * len(buckets)  # rows of _table to estimate again
         self._refit = False  # the slope and every row
+
+    @property
+    def samples(self) -> np.ndarray:
+        """[buckets, K + 1] samples taken per cell."""
+        return np.array(self._counts)
 
     @property
     def known(self) -> bool:
         """Whether any cell was measured or seeded."""
-        return bool(self.samples.any()) or not np.isnan(self.seeds).all()
+        return self._count > 0 or not np.isnan(self.seeds).all()
 
     def observe(self, b: int, k: int, device: float) -> None:
-        first = self.samples[b, k] == 0
-        self.recent[b, k, self.samples[b, k] % self.window] = device
-        self.samples[b, k] += 1
-        if first:
-            self.seconds[b, k] = device  # marks the cell measured; its median waits for `row`
+        cell = self._recent[b][k]
+        if not cell:  # marks the cell measured; its median waits for `row`
+            self.seconds[b, k] = device
+            # A first sample of a seeded cell changes no estimate (the seed stood for it): its row is re-read only.
+            # On the GPU every cell is seeded, and a closed loop's drain measured a new cell in each small bucket
+            # it passed through: a refit each, up to 5 ms a full choice on the H100's host (run 175).
+            self._refit |= self._seeds[b][k] != self._seeds[b][k]  # NaN: no seed
+        cell.append(device)
+        self._counts[b][k] += 1
         self._count += 1
-        # A first sample of a seeded cell changes no estimate (the seed stood for it): its row is re-read only.
-        # On the GPU every cell is seeded, and a closed loop's drain measured a new cell in each small bucket
-        # it passed through: a refit each, up to 5 ms a full choice on the H100's host (run 175).
-        self._refit |= bool(first and np.isnan(self.seeds[b, k])) or self._count % self.REFIT == 0
+        self._refit |= self._count % self.REFIT == 0
         self._stale[b] = True
 
     def seed(self, b: int, k: int, seconds: float) -> None:
-        self.seeds[b, k] = seconds
+        self.seeds[b, k] = self._seeds[b][k] = seconds
         self._refit = True
 
     def timed(self, b: int, k: int) -> bool:
-        return not (np.isnan(self.seconds[b, k]) and np.isnan(self.seeds[b, k]))
+        return bool(self._recent[b][k]) or self._seeds[b][k] == self._seeds[b][k]
 
-    def row(self, b: int) -> np.ndarray:
+    def row(self, b: int) -> list[float]:
         """[K + 1] seconds at each k in bucket b (estimated where not measured)."""
         if self._refit:
-            self._update_medians(slice(None))
-            self._slope, self._table, self._refit = self.slope(), self._estimate(), False
-            self._stale[:] = False
+            for r in range(len(self.buckets)):
+                self._update_medians(r)
+            self._slope, self._table, self._refit = self.slope(), self._estimate().tolist(), False
+            self._stale = [False] * len(self.buckets)
         elif self._stale[b]:
-            self._update_medians(slice(b, b + 1))
-            known = self._known(self.seconds[b : b + 1], self.seeds[b : b + 1])[0]
-            self._table[b] = np.where(np.isnan(known), self._table[b], known)
+            known = _known_row(self._update_medians(b), self._seeds[b])
+            self._table[b] = [t if x != x else x for t, x in zip(self._table[b], known)]
             self._stale[b] = False
         return self._table[b]
 
@@ -103,12 +117,11 @@ class DeviceCosts:
         rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
         return float(np.clip(_median(rel), 0.0, 10.0)) if rel.size else self.per_draft_cost
 
-    def _update_medians(self, rows: slice) -> None:
-        """seconds[rows] = the lower median of each measured cell's recent samples (NaN sorts last)."""
-        n = np.minimum(self.samples[rows], self.window)  # [r, K + 1]
-        ordered = np.sort(self.recent[rows], axis=-1)
-        r, k = np.indices(n.shape, sparse=True)
-        self.seconds[rows] = np.where(n > 0, ordered[r, k, (np.maximum(n, 1) - 1) // 2], np.nan)  # NaN: never measured
+    def _update_medians(self, b: int) -> list[float]:
+        """seconds[b] = the lower median of each measured cell's recent samples (NaN: never measured)."""
+        medians = [_lower_median(cell) if cell else np.nan for cell in self._recent[b]]
+        self.seconds[b] = medians
+        return medians
 
     @staticmethod
     def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
@@ -168,67 +181,65 @@ class StepCosts:
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
         self.max_k, self.window = max_k, window
         self.buckets = np.array(batch_buckets(max_rows))
+        self._sizes = self.buckets.tolist()
+        nb = len(self._sizes)
         self.modes = {greedy: DeviceCosts(max_k, self.buckets, window, per_draft_cost) for greedy in (True, False)}
-        self.host_recent = np.full((len(self.buckets), self.HOST_WINDOW, 3), np.nan)  # (host, tokens, k), any k
-        self.host_samples = np.zeros(len(self.buckets), dtype=np.int64)
+        # Per bucket, (host, tokens, k) per request of its last HOST_WINDOW samples, any k.
+        self.host_recent = [deque(maxlen=self.HOST_WINDOW) for _ in range(nb)]
+        self.host_samples = [0] * nb
         # Per bucket, the last slope its window could draw: a window that holds one k alone (auto dwelling on
         # its choice) keeps it, instead of pricing the host of every k alike whatever tokens it would emit
         # (run 66: 0.003-0.007 ms a token drawn from within one cell, against about 0.014 across cells).
-        self.host_slopes = np.zeros(len(self.buckets))
+        self.host_slopes = [0.0] * nb
         # Per bucket, the host's seconds per request and draft beyond the tokens' (a window that holds two or
         # more k draws it, others keep the last): scheduling, block tables and offers per KV group grow with
         # k itself. At T = 1 on the H100 a step grew 5 us a request and draft at c = 128 and 256 beyond its
         # tokens' price, and priced by tokens alone k = 4 looked best where k = 2 ran 15 % faster (run 124).
-        self.host_draft_slopes = np.zeros(len(self.buckets))
+        self.host_draft_slopes = [0.0] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
-        # lap - device of device-bound overlapped laps, a ring per bucket
-        self.gap_recent = np.zeros((len(self.buckets), self.GAP_WINDOW))
-        self.gap_samples = np.zeros(len(self.buckets), dtype=np.int64)
-        # Per (bucket, k), its recent overlapped laps: lap - device where device-bound, NaN where host-bound.
-        self.k_laps = np.full((len(self.buckets), max_k + 1, self.K_LAPS), np.nan)
-        self.k_lap_samples = np.zeros((len(self.buckets), max_k + 1), dtype=np.int64)
-        self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1))
-        self._slopes = np.zeros((len(self.buckets), 2))  # per bucket, (b, c) of its last fit (see _host_fit)
-        self._fitted_at = np.zeros(len(self.buckets), dtype=np.int64)  # host_samples at that fit
-        self._newest = np.arange(window)
+        self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
+        self.gap_samples = [0] * nb
+        # Per (bucket, k), whether each of its recent overlapped laps was device-bound.
+        self.k_laps = [[deque(maxlen=self.K_LAPS) for _ in range(max_k + 1)] for _ in range(nb)]
+        self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1)).tolist()
+        self._slopes = [(0.0, 0.0)] * nb  # per bucket, (b, c) of its last fit (see _host_fit)
+        self._fitted_at = [0] * nb  # host_samples at that fit
 
     def bucket(self, batch: int) -> int:
-        return int(self._bucket_of[min(batch, len(self._bucket_of) - 1)])
+        return self._bucket_of[min(batch, len(self._bucket_of) - 1)]
 
     def observe(self, batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
                 tokens: float = 0.0, greedy: bool = True, lap: float = 0.0) -> None:
         """A timed decode step of `batch` requests whose chain ran k drafts and that emitted `tokens`: `device`
         seconds of its own work on the device, `host` seconds of the host's in its `lap` (0: not given);
-        `overlapped`: the two ran side by side; `greedy`: every request of the batch was greedy."""
-        b = self.bucket(batch)
+        `overlapped`: the two ran side by side; `greedy`: every request of the batch was greedy. Plain Python:
+        the engine pays it every step."""
+        b, per = self.bucket(batch), max(batch, 1)
         self.modes[greedy].observe(b, k, device)
-        self.host_recent[b, self.host_samples[b] % self.HOST_WINDOW] = host / max(batch, 1), tokens / max(batch, 1), k
+        self.host_recent[b].append((host / per, tokens / per, k))
         self.host_samples[b] += 1
         self.overlapped = overlapped
         if overlapped and lap > 0:
             bound = lap - host > self.DEVICE_BOUND * lap
-            self.k_laps[b, k, self.k_lap_samples[b, k] % self.K_LAPS] = max(lap - device, 0.0) if bound else np.nan
-            self.k_lap_samples[b, k] += 1
+            self.k_laps[b][k].append(bound)
             if bound:
-                self.gap_recent[b, self.gap_samples[b] % self.GAP_WINDOW] = max(lap - device, 0.0)
+                self.gap_recent[b].append(max(lap - device, 0.0))
                 self.gap_samples[b] += 1
 
     def gap(self, batch: int) -> float:
         """Seconds a device-bound overlapped step of this batch's bucket lasts beyond its device share: the
         nearest bucket's where its own has no such lap (0 before any)."""
-        sampled = np.flatnonzero(self.gap_samples)
-        if sampled.size == 0:
-            return 0.0
-        b = self._nearest(sampled, self.bucket(batch))
-        return _median(self.gap_recent[b, : min(self.gap_samples[b], self.GAP_WINDOW)])
+        sampled = [b for b, n in enumerate(self.gap_samples) if n]
+        return _median(self.gap_recent[self._nearest(sampled, self.bucket(batch))]) if sampled else 0.0
 
     def gaps(self, batch: int) -> np.ndarray:
         """[K + 1] the gap priced at each k: the bucket's (see gap), except 0 at a k whose recent laps in the
         bucket were mostly host-bound."""
-        b = self.bucket(batch)
-        seen = np.minimum(self.k_lap_samples[b], self.K_LAPS)
-        bound = np.count_nonzero(~np.isnan(self.k_laps[b]), axis=1)
-        return np.where((seen > 0) & (2 * bound < seen), 0.0, self.gap(batch))
+        return np.array(self._gaps(batch))
+
+    def _gaps(self, batch: int) -> list[float]:
+        gap = self.gap(batch)
+        return [0.0 if laps and 2 * sum(laps) < len(laps) else gap for laps in self.k_laps[self.bucket(batch)]]
 
     def seed(self, batch: int, k: int, seconds: float, greedy: bool = True) -> None:
         """A start-up timing (a captured graph's replay: device time only) that real steps replace."""
@@ -241,20 +252,27 @@ class StepCosts:
     def costs(self, batch: int, tokens: np.ndarray | None = None, greedy: bool = True) -> np.ndarray:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
         (None: the host's share as it is now at every k; a unitless prior before any timing)."""
-        device, host = self.device(batch, greedy), self.host(batch, tokens)
-        return np.maximum(host, device + self.gaps(batch)) if self.overlapped else host + device
+        device = self._device(batch, greedy)
+        host = [self.host_line(batch)[2]] * len(device) if tokens is None else self._host(batch, tokens)
+        if self.overlapped:
+            return np.array([max(h, d + g) for h, d, g in zip(host, device, self._gaps(batch))])
+        return np.array([h + d for h, d in zip(host, device)])
 
     def device(self, batch: int, greedy: bool = True) -> np.ndarray:
-        """[K + 1] device seconds of a step at each k (estimated where not measured). A mode that knows nothing
-        yet borrows the other's table: seconds of the wrong mode beat a unitless prior next to host seconds."""
+        """[K + 1] device seconds of a step at each k (estimated where not measured)."""
+        return np.array(self._device(batch, greedy))
+
+    def _device(self, batch: int, greedy: bool) -> list[float]:
+        """A mode that knows nothing yet borrows the other's table: seconds of the wrong mode beat a unitless
+        prior next to host seconds."""
         table = self.modes[greedy]
         if not table.known and self.modes[not greedy].known:
             table = self.modes[not greedy]
         return table.row(self.bucket(batch))
 
-    def _nearest(self, candidates: np.ndarray, b: int) -> int:
+    def _nearest(self, candidates: list[int], b: int) -> int:
         """The bucket among `candidates` (indices) closest to bucket b in batch size (by ratio)."""
-        return int(candidates[np.argmin(np.abs(np.log(self.buckets[candidates] / self.buckets[b])))])
+        return min(candidates, key=lambda c: abs(math.log(self._sizes[c] / self._sizes[b])))
 
     def host(self, batch: int, tokens: np.ndarray | float | None = None) -> np.ndarray | float:
         """The host's share of a step in this batch's bucket now, for steps emitting `tokens` (an array: tokens[k]
@@ -262,10 +280,17 @@ class StepCosts:
         vary enough to draw one, else their lower median."""
         if tokens is None:
             return self.host_line(batch)[2]
+        if np.ndim(tokens) == 0:
+            a, slope, _, _ = self._host_fit(batch)
+            return max(a + slope * float(tokens), 0.0)
+        return np.array(self._host(batch, tokens))
+
+    def _host(self, batch: int, tokens: np.ndarray | list[float]) -> list[float]:
+        """host() at tokens[k] emitted by a step of k drafts, k = 0.."""
         a, slope, per_draft, _ = self._host_fit(batch)
-        tokens = np.asarray(tokens, dtype=np.float64)
-        drafts = np.arange(tokens.shape[0]) if tokens.ndim else 0
-        return np.maximum(a + slope * tokens + per_draft * batch * drafts, 0.0)
+        per_draft *= batch
+        emitted = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+        return [max(a + slope * t + per_draft * k, 0.0) for k, t in enumerate(emitted)]
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
         """(a, b, median) of the host's share of a step of `batch` requests at k = 0: seconds = a + b * tokens
@@ -293,31 +318,30 @@ class StepCosts:
         draining batch passes through would otherwise fit at every choice."""
         b = self.bucket(batch)
         if self.host_samples[b] == 0:
-            sampled = np.flatnonzero(self.host_samples)
-            if sampled.size == 0:
+            sampled = [i for i, n in enumerate(self.host_samples) if n]
+            if not sampled:
                 return 0.0, 0.0, 0.0, 0.0
             b = self._nearest(sampled, b)
-        count = int(self.host_samples[b])
-        n = min(count, self.HOST_WINDOW)
-        newest = self.host_recent[b, (count - 1 - self._newest[: min(n, self.window)]) % self.HOST_WINDOW]
-        now_s, now_e, now_k = newest.T  # per request, the newest `window` samples
+        count = self.host_samples[b]
+        newest = list(islice(reversed(self.host_recent[b]), self.window))  # per request, the newest samples
         if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
-            self._slopes[b] = self._fit_slopes(b, n, now_s, now_e, now_k)
+            self._slopes[b] = self._fit_slopes(b, np.array(newest).T)
             self._fitted_at[b] = count
         slope, per_draft = self._slopes[b]
-        level = _lower_median(now_s - slope * now_e - per_draft * now_k)
-        return level * batch, float(slope), max(float(per_draft), 0.0), _lower_median(now_s) * batch
+        level = _lower_median([s - slope * e - per_draft * k for s, e, k in newest])
+        return level * batch, slope, max(per_draft, 0.0), _lower_median([s for s, _, _ in newest]) * batch
 
-    def _fit_slopes(self, b: int, n: int, now_s: np.ndarray, now_e: np.ndarray, now_k: np.ndarray
-                    ) -> tuple[float, float]:
-        """(b, c) of bucket b's host line: drawn from its window of n samples, bounded by its newest ones."""
-        seconds, emitted, ks = (self.host_recent[b, :n, i] for i in range(3))
+    def _fit_slopes(self, b: int, newest: np.ndarray) -> tuple[float, float]:
+        """(b, c) of bucket b's host line: drawn from its window, bounded by its newest samples newest [3, n]
+        (per request: host seconds, tokens, k)."""
+        now_s, now_e, now_k = newest
+        seconds, emitted, ks = np.array(self.host_recent[b]).T
         # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
         # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
         slope, per_draft = _host_slopes(seconds, emitted, ks, _median(seconds), float(self.host_slopes[b]))
-        self.host_slopes[b] = slope = float(self.host_slopes[b]) if slope is None else slope
-        self.host_draft_slopes[b] = per_draft = float(self.host_draft_slopes[b]) if per_draft is None else per_draft
+        self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
+        self.host_draft_slopes[b] = per_draft = self.host_draft_slopes[b] if per_draft is None else per_draft
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, _median(now_s / np.maximum(now_e, 1e-9)))
@@ -337,20 +361,25 @@ class StepCosts:
         return slope, per_draft
 
 
-def _lower_median(x: np.ndarray) -> float:
-    """The lower median of a small 1-D array (the middle one of an odd count)."""
-    mid = (x.shape[0] - 1) // 2
-    return float(np.partition(x, mid)[mid])
+def _lower_median(values: Sequence[float] | np.ndarray) -> float:
+    """The lower median of a few values (the middle one of an odd count)."""
+    ordered = sorted(values.tolist() if isinstance(values, np.ndarray) else values)
+    return float(ordered[(len(ordered) - 1) // 2])
 
 
-def _median(x: np.ndarray) -> float:
-    """np.median of a small 1-D array without NaNs, the same value at a fraction of its cost: a full choice
-    takes several, and np.median's checks and wrappers were most of each (about 25 us on the 2-core CPU)."""
-    n = x.shape[0]
-    if n % 2:
-        return float(np.partition(x, n // 2)[n // 2])
-    lo, hi = np.partition(x, (n // 2 - 1, n // 2))[n // 2 - 1 : n // 2 + 1]
-    return float((lo + hi) / 2.0)
+def _median(values: Sequence[float] | np.ndarray) -> float:
+    """The median of a few values without NaNs: sorted in Python, not np.median, whose checks and wrappers
+    were most of its cost (about 25 us on the 2-core CPU; a full choice takes several)."""
+    ordered = sorted(values.tolist() if isinstance(values, np.ndarray) else values)
+    n, mid = len(ordered), len(ordered) // 2
+    return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def _known_row(seconds: list[float], seeds: list[float]) -> list[float]:
+    """DeviceCosts._known of one row, in Python."""
+    moved = [s - d for s, d in zip(seconds, seeds) if s == s and d == d]  # x == x: not NaN
+    offset = sum(moved) / len(moved) if moved else 0.0
+    return [d + offset if s != s else s for s, d in zip(seconds, seeds)]
 
 
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:

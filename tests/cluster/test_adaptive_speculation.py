@@ -39,7 +39,7 @@ SCHEDULE = [3, 3, 0, 0, 1, 4, 2, 0, 0, 0, 3, 1, 4, 4, 0, 2]
 def force_k(monkeypatch: pytest.MonkeyPatch, schedule: list[int]) -> None:
     """Every step's k comes from `schedule` (cycled) instead of the chooser."""
     ks = itertools.cycle(schedule)
-    monkeypatch.setattr(AdaptiveSpec, "choose", lambda self, rows, batch=None: next(ks))
+    monkeypatch.setattr(AdaptiveSpec, "choose", lambda self, rows, batch=None, newcomers_adaptive=True: next(ks))
 
 
 def test_auto_is_the_default_and_adaptive(partly_trained: Path) -> None:
@@ -203,8 +203,8 @@ def test_the_scheduler_prices_k_at_the_running_and_the_waiting_requests(partly_t
     while some still wait is priced at the batch they will all run at, never at the few already running."""
     calls: list[tuple[int, int]] = []
     choose = AdaptiveSpec.choose
-    monkeypatch.setattr(AdaptiveSpec, "choose", lambda self, rows, batch=None: (
-        calls.append((rows.size, batch)), choose(self, rows, batch))[1])
+    monkeypatch.setattr(AdaptiveSpec, "choose", lambda self, rows, batch=None, newcomers_adaptive=True: (
+        calls.append((rows.size, batch)), choose(self, rows, batch, newcomers_adaptive))[1])
     llm = LLM(str(partly_trained), block_size=4, max_num_seqs=8, max_num_batched_tokens=40)
     llm.generate(prompts_of(64, [14, 20, 16, 18, 15, 19, 17, 20], seed=5), GREEDY)
     ramp = [(n, b) for n, b in calls if 0 < n < 8]

@@ -479,6 +479,19 @@ def test_a_newcomer_to_the_bucket_of_a_choice_that_still_holds_keeps_it() -> Non
     assert spec.choose(empty, batch=1) == 0  # the dwell is over: chosen again
 
 
+def test_fixed_k_newcomers_to_an_empty_batch_make_no_choice() -> None:
+    """A fixed-k request arriving to an empty batch has nothing to choose: no full choice is made for it (a
+    fixed-k cell at c = 1 made one per request, run 180), and the next adaptive newcomer is chosen for."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 5 * k))  # drafts cost far more than they earn
+    empty = np.array([], dtype=np.int64)
+    spec._held = spec.dwell  # any last choice is over
+    assert spec.choose(empty, batch=1, newcomers_adaptive=False) == K and spec.chosen.sum() == 0
+    assert not spec.active and spec._held == spec.dwell + 1
+    assert spec.choose(empty, batch=1) == 0 and spec.chosen[0] == 1 and spec._held == 0
+
+
 def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """At c = 1 the next request joins while the last one finishes: the batch goes 1 -> 2 -> 1. The step at
     two is chosen for (another bucket, other costs); back at one, that bucket's choice still holds and is

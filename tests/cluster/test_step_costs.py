@@ -61,7 +61,7 @@ def test_a_device_bound_laps_gap_past_the_device_share_is_priced_in() -> None:
         for k, d, lap in zip((0, 1, 2, 4), device, laps):
             costs.observe(8, k, d, host=0.45e-3, overlapped=True, lap=lap)
         costs.observe(64, 0, 0.2e-3, host=2e-3, overlapped=True, lap=2.01e-3)  # host-bound: no gap sample
-    assert costs.gap_samples.sum() == 16 and abs(costs.gap(8) - 0.17e-3) < 1e-9  # median of 0.13 / 0.14 / 0.20 / 0.26 ms
+    assert sum(costs.gap_samples) == 16 and abs(costs.gap(8) - 0.17e-3) < 1e-9  # median of 0.13 / 0.14 / 0.20 / 0.26 ms
     priced = costs.costs(8)[[0, 1, 2, 4]]
     bare = np.maximum(costs.host(8), costs.device(8)[[0, 1, 2, 4]])
     assert (np.abs(priced / laps - 1) < 0.10).all() and (np.abs(bare / laps - 1) > 0.10).all()
