@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
