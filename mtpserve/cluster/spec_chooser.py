@@ -100,7 +100,9 @@ class AcceptanceTable:
     on `flush`, as one block: each (row, position) moves by the weight its s new observations have
     together, 1 - (1 - decay)^s, toward their mean. That is the one-by-one update where a row's outcomes
     within the block agree, and their average over orders where they differ (a dwell is 8 steps or more, a
-    topic changes over a few dozen). The block fold is a few whole-table operations (two bincounts): on
+    topic changes over a few dozen). The block fold is a few whole-table operations (bincounts of how far
+    each observation reached, made per position by a reverse cumulative sum; a [K, observations] mask made
+    the fold of a 128-step dwell at 256 requests 10 ms on the 2-core CPU, 5 ms now): on
     the H100's host, where a numpy call costs about 3 us, the exact one-by-one fold took 0.43 ms of a full
     choice (run 168). A row admitted in between starts from the prior of the last fold, and only the
     observations queued after its admission are its own.
@@ -112,7 +114,7 @@ class AcceptanceTable:
         self.prior = np.full(k, config.initial_acceptance)
         self.prior_list = self.prior.tolist()  # the prior as of the last fold, for per-step metrics
         self._j = np.arange(k)  # draft positions
-        self._at = self._j[:, None] * rows  # flat index of (position, row 0) in a [K, rows] table
+        self._width = k + 1  # an observation's reach: 0..K positions
         self.p = np.tile(self.prior[:, None], (1, rows))  # [K, rows]
         self.n = np.zeros((k, rows))  # decayed observation counts behind p
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
@@ -179,23 +181,23 @@ class AcceptanceTable:
         sizes = [len(step) for step in pending]
         flat = np.fromiter(chain.from_iterable(chain.from_iterable(pending)), np.int64, 3 * sum(sizes))
         rows, drafts, accepted = flat.reshape(-1, 3).T
-        seen = self._j[:, None] < np.minimum(accepted + 1, drafts)  # [K, M]
-        hit = self._j[:, None] < accepted  # accepted <= drafts: every hit was seen
-        self._fold_prior(seen.sum(axis=1), hit.sum(axis=1))
-        self.drafted_at[seen.any(axis=1)] = self.now
+        reach = np.minimum(accepted + 1, drafts)  # an observation saw positions j < reach, hit those j < accepted
+        width = self._width
+        seen, hit = _tails(np.bincount(reach, minlength=width)), _tails(np.bincount(accepted, minlength=width))
+        self._fold_prior(seen, hit)
+        self.drafted_at[seen > 0] = self.now
+        own = None
         if self._reused:  # a former holder's observations count for the prior only
-            step = np.repeat(np.arange(len(pending)), sizes)
-            own = step >= self._owned_from[rows]
-            seen, hit = seen & own, hit & own
+            own = np.repeat(np.arange(len(pending)), sizes) >= self._owned_from[rows]
             self._owned_from[:], self._reused = 0, False
-        self._fold_rows((self._at + rows).ravel(), seen.ravel(), hit.ravel())
+        at, size = rows * width, self.p.shape[1] * width  # flat index of (row, reach)
+        self._fold_rows(_tails(np.bincount(at + reach, own, size).reshape(-1, width)).T,
+                        _tails(np.bincount(at + accepted, own, size).reshape(-1, width)).T)
 
-    def _fold_rows(self, at: np.ndarray, seen: np.ndarray, hit: np.ndarray) -> None:
-        """s observations of a (position, row), h of them hits: p moves by 1 - (1 - d)^s toward h / s, and
-        n = (1 - d)^s n + sum_{e < s} (1 - d)^e (what one-by-one updates give for n, in any order)."""
-        d, size = self.config.decay, self.p.size
-        s = np.bincount(at, seen, size).reshape(self.p.shape)
-        h = np.bincount(at, hit, size).reshape(self.p.shape)
+    def _fold_rows(self, s: np.ndarray, h: np.ndarray) -> None:
+        """s [K, rows] observations of each (position, row), h of them hits: p moves by 1 - (1 - d)^s toward
+        h / s, and n = (1 - d)^s n + sum_{e < s} (1 - d)^e (what one-by-one updates give for n, in any order)."""
+        d = self.config.decay
         moved = 1.0 - (1.0 - d) ** s  # 0 where nothing was seen
         self.p += moved * (h / np.maximum(s, 1.0) - self.p)
         self.n += moved * (1.0 / d - self.n)
@@ -212,6 +214,13 @@ class AcceptanceTable:
                 weight = max(1.0 - (1.0 - c.prior_decay) ** s, s / (c.prior_weight + self.prior_seen[j]))
                 prior[j] += weight * (h / s - prior[j])
         self.prior[:] = prior
+
+
+def _tails(counts: np.ndarray) -> np.ndarray:
+    """counts [..., K + 1] of observations reaching exactly v = 0..K positions -> [..., K]: those reaching past
+    position j (a reverse cumulative sum: position j is seen, or hit, by every observation with v > j). Counting
+    values instead of a [K, observations] mask: a dwell of 128 steps at 256 requests folded in 10 ms."""
+    return counts.sum(axis=-1, keepdims=True) - np.cumsum(counts, axis=-1)[..., :-1]
 
 
 class _Held(NamedTuple):
