@@ -169,9 +169,14 @@ class AcceptanceTable:
                                    np.asarray(accepted).tolist())))
 
     def observe_step(self, seen: list[tuple[int, int, int]]) -> None:
-        """`observe` as the scheduler gathers a step: (row, drafts, accepted) per request that drafted."""
+        """`observe` as the scheduler gathers a step: (row, drafts, accepted) per request that drafted. Folded
+        at once every max_dwell queued steps: the chooser folds them once per dwell while adaptive requests
+        run, but no choice is made while only fixed-k ones do, and their queue grew with every step (an
+        engine serving fixed k alone held all of them; the next auto cell of the T = 1 matrix folded 190k)."""
         if seen:
             self._pending.append(seen)
+            if len(self._pending) >= self.config.max_dwell:
+                self.flush()
 
     def flush(self) -> None:
         """Fold the queued steps into the estimates as one block (see the class)."""

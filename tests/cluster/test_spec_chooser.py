@@ -213,6 +213,18 @@ def test_a_step_queued_as_the_scheduler_gathers_it_folds_as_arrays_do() -> None:
     assert arrays.prior_list == triples.prior_list == triples.prior.tolist() and arrays.prior_list != [0.8] * K
 
 
+def test_the_queue_of_observations_stays_bounded_when_no_choice_folds_it() -> None:
+    """Only fixed-k requests running: the chooser makes no choice, so nothing reads the estimates; their
+    observations are still folded (they teach the engine-wide prior) and the queue never holds more than
+    max_dwell steps."""
+    t = AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=4, max_dwell=16))
+    rows = [t.acquire(K, False) for _ in range(4)]
+    for _ in range(1000):
+        t.observe_step([(row, K, K) for row in rows])  # every draft accepted
+        assert len(t._pending) < 16
+    assert (t.prior > 0.99).all() and (t.p[:, rows] > 0.99).all()
+
+
 def test_a_reused_row_starts_over_and_its_old_steps_count_for_the_prior_only() -> None:
     t = AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=2, initial_acceptance=0.6, prior_decay=0.5))
     row = t.acquire(K, True)
