@@ -111,11 +111,10 @@ class AcceptanceTable:
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         k, rows = max(config.max_k, 1), config.max_rows
-        self.prior = np.full(k, config.initial_acceptance)
-        self.prior_list = self.prior.tolist()  # the prior as of the last fold, for per-step metrics
+        self.prior_list = [config.initial_acceptance] * k  # the engine-wide prior per position, as of the last fold
         self._j = np.arange(k)  # draft positions
         self._width = k + 1  # an observation's reach: 0..K positions
-        self.p = np.tile(self.prior[:, None], (1, rows))  # [K, rows]
+        self.p = np.full((k, rows), config.initial_acceptance)  # [K, rows]
         self.n = np.zeros((k, rows))  # decayed observation counts behind p
         self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
         self.adaptive = np.zeros(rows, dtype=bool)
@@ -129,6 +128,11 @@ class AcceptanceTable:
         self._owned_from = np.zeros(rows, dtype=np.int64)  # the first queued step that is the row's own
         self._reused = False  # a row was acquired while steps were queued (some may be a former holder's)
 
+    @property
+    def prior(self) -> np.ndarray:
+        """[K] the engine-wide prior per position, as of the last fold."""
+        return np.array(self.prior_list)
+
     def acquire(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
         row = self._free.pop()
         self.greedy[row] = greedy
@@ -136,7 +140,7 @@ class AcceptanceTable:
         self._reused |= bool(self._pending)
         self.within[:, row] = self._j < cap
         self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
-        self.p[:, row], self.n[:, row] = self.prior, 0.0
+        self.p[:, row], self.n[:, row] = self.prior_list, 0.0
         return row
 
     def release(self, row: int) -> None:
@@ -155,7 +159,8 @@ class AcceptanceTable:
         self.flush()
         n, s = self.n.take(rows, axis=1), self.config.prior_strength
         mine = n / np.maximum(n + s, 1e-300)  # strength 0 and no observation: 0, the prior alone
-        reach = self.prior[:, None] + mine * (self.p.take(rows, axis=1) - self.prior[:, None])  # [K, n]
+        prior = self.prior[:, None]
+        reach = prior + mine * (self.p.take(rows, axis=1) - prior)  # [K, n]
         np.cumprod(reach, axis=0, out=reach)  # prod_{i <= j} p_i
         reach *= self.within.take(rows, axis=1)
         gains = reach @ self.adaptive.take(rows)
@@ -218,7 +223,6 @@ class AcceptanceTable:
                 self.prior_seen[j] += s
                 weight = max(1.0 - (1.0 - c.prior_decay) ** s, s / (c.prior_weight + self.prior_seen[j]))
                 prior[j] += weight * (h / s - prior[j])
-        self.prior[:] = prior
 
 
 def _tails(counts: np.ndarray) -> np.ndarray:

@@ -54,17 +54,19 @@ class DeviceCosts:
 
     def __init__(self, max_k: int, buckets: np.ndarray, window: int, per_draft_cost: float) -> None:
         self.window, self.per_draft_cost, self.buckets = window, per_draft_cost, buckets
-        shape = (len(buckets), max_k + 1)
-        self.seconds = np.full(shape, np.nan)  # medians, where measured
-        self.seeds = np.full(shape, np.nan)  # start-up timings
-        self._seeds = self.seeds.tolist()  # the same, read per step
+        self._seeds = [[math.nan] * (max_k + 1) for _ in buckets]  # start-up timings
         self._recent = [[deque(maxlen=window) for _ in range(max_k + 1)] for _ in buckets]  # each cell's last samples
         self._counts = [[0] * (max_k + 1) for _ in buckets]
         self._count = 0
         self._slope = per_draft_cost
-        self._table: list[list[float]] = self._estimate().tolist()
+        self._table: list[list[float]] = self._estimate(self._known_table()).tolist()
         self._stale = [False] * len(buckets)  # rows of _table to estimate again
         self._refit = False  # the slope and every row
+
+    @property
+    def seeds(self) -> np.ndarray:
+        """[buckets, K + 1] start-up timings (NaN: none)."""
+        return np.array(self._seeds)
 
     @property
     def samples(self) -> np.ndarray:
@@ -74,12 +76,11 @@ class DeviceCosts:
     @property
     def known(self) -> bool:
         """Whether any cell was measured or seeded."""
-        return self._count > 0 or not np.isnan(self.seeds).all()
+        return self._count > 0 or any(s == s for row in self._seeds for s in row)  # s == s: not NaN
 
     def observe(self, b: int, k: int, device: float) -> None:
         cell = self._recent[b][k]
-        if not cell:  # marks the cell measured; its median waits for `row`
-            self.seconds[b, k] = device
+        if not cell:
             # A first sample of a seeded cell changes no estimate (the seed stood for it): its row is re-read only.
             # On the GPU every cell is seeded, and a closed loop's drain measured a new cell in each small bucket
             # it passed through: a refit each, up to 5 ms a full choice on the H100's host (run 175).
@@ -91,7 +92,7 @@ class DeviceCosts:
         self._stale[b] = True
 
     def seed(self, b: int, k: int, seconds: float) -> None:
-        self.seeds[b, k] = self._seeds[b][k] = seconds
+        self._seeds[b][k] = seconds
         self._refit = True
 
     def timed(self, b: int, k: int) -> bool:
@@ -100,41 +101,41 @@ class DeviceCosts:
     def row(self, b: int) -> list[float]:
         """[K + 1] seconds at each k in bucket b (estimated where not measured)."""
         if self._refit:
-            for r in range(len(self.buckets)):
-                self._update_medians(r)
-            self._slope, self._table, self._refit = self.slope(), self._estimate().tolist(), False
+            known = self._known_table()
+            # The estimate is drawn with the slope of the refit before, as it always was (a tuple assignment
+            # hid the order); drawn with the new one it changes the chooser's choices, not yet measured on a GPU.
+            self._table, self._refit = self._estimate(known).tolist(), False
+            self._slope = self.slope(known)
             self._stale = [False] * len(self.buckets)
         elif self._stale[b]:
-            known = _known_row(self._update_medians(b), self._seeds[b])
-            self._table[b] = [t if x != x else x for t, x in zip(self._table[b], known)]
+            known_row = self._known_row(b)
+            self._table[b] = [t if x != x else x for t, x in zip(self._table[b], known_row)]
             self._stale[b] = False
         return self._table[b]
 
-    def slope(self) -> float:
-        """Relative extra device cost per draft (b / a of cost = a + b k), the median over the buckets where
-        two or more k are known; the configured prior before that."""
-        a, b, n = _line_fit(self._known(self.seconds, self.seeds))
+    def slope(self, known: np.ndarray) -> float:
+        """Relative extra device cost per draft (b / a of cost = a + b k) in the known table [buckets, K + 1], the
+        median over the buckets where two or more k are known; the configured prior before that."""
+        a, b, n = _line_fit(known)
         rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
         return float(np.clip(_median(rel), 0.0, 10.0)) if rel.size else self.per_draft_cost
 
-    def _update_medians(self, b: int) -> list[float]:
-        """seconds[b] = the lower median of each measured cell's recent samples (NaN: never measured)."""
-        medians = [_lower_median(cell) if cell else np.nan for cell in self._recent[b]]
-        self.seconds[b] = medians
-        return medians
+    def _known_row(self, b: int) -> list[float]:
+        """Bucket b's [K + 1]: the lower median of each measured cell's recent samples, else its seed moved by
+        the bucket's mean (measured - seed) over the cells that have both; NaN elsewhere."""
+        medians = [_lower_median(cell) if cell else math.nan for cell in self._recent[b]]
+        seeds = self._seeds[b]
+        moved = [m - d for m, d in zip(medians, seeds) if m == m and d == d]  # x == x: not NaN
+        offset = sum(moved) / len(moved) if moved else 0.0
+        return [d + offset if m != m else m for m, d in zip(medians, seeds)]
 
-    @staticmethod
-    def _known(seconds: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-        """Measured where measured, else the seed moved by its bucket's mean (measured - seed); NaN elsewhere."""
-        both = ~np.isnan(seconds) & ~np.isnan(seeds)
-        offset = np.where(both, seconds - seeds, 0.0).sum(axis=1) / np.maximum(both.sum(axis=1), 1)
-        return np.where(np.isnan(seconds), seeds + offset[:, None], seconds)
+    def _known_table(self) -> np.ndarray:
+        return np.array([self._known_row(b) for b in range(len(self.buckets))])
 
-    def _estimate(self, bucket: int | None = None) -> np.ndarray:
-        """Known where known; elsewhere the bucket's own line through its known k (two or more), else
-        1 + slope * k scaled to its one known cost, or to the nearest bucket's level where it knows none
-        (device time grows slowly with the batch; unscaled where no bucket knows any)."""
-        known_all = self._known(self.seconds, self.seeds)
+    def _estimate(self, known_all: np.ndarray) -> np.ndarray:
+        """Known where known (known_all [buckets, K + 1], NaN elsewhere); elsewhere the bucket's own line through
+        its known k (two or more), else 1 + slope * k scaled to its one known cost, or to the nearest bucket's
+        level where it knows none (device time grows slowly with the batch; unscaled where no bucket knows any)."""
         ks = np.arange(known_all.shape[1])
         levels = np.nanmax(np.where(np.isnan(known_all), -np.inf, known_all / (1.0 + self._slope * ks)), axis=1)
         some = np.flatnonzero(~np.isnan(known_all).all(axis=1))
@@ -143,11 +144,9 @@ class DeviceCosts:
             levels = levels[some[np.argmin(gap, axis=1)]]
         else:
             levels = np.ones(len(self.buckets))
-        rows = slice(None) if bucket is None else slice(bucket, bucket + 1)
-        known, level = known_all[rows], levels[rows]
-        a, b, n = _line_fit(known)
-        fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, level[:, None] * (1.0 + self._slope * ks))
-        return np.where(np.isnan(known), fitted, known)
+        a, b, n = _line_fit(known_all)
+        fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, levels[:, None] * (1.0 + self._slope * ks))
+        return np.where(np.isnan(known_all), fitted, known_all)
 
 
 class StepCosts:
@@ -373,13 +372,6 @@ def _median(values: Sequence[float] | np.ndarray) -> float:
     ordered = sorted(values.tolist() if isinstance(values, np.ndarray) else values)
     n, mid = len(ordered), len(ordered) // 2
     return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
-
-
-def _known_row(seconds: list[float], seeds: list[float]) -> list[float]:
-    """DeviceCosts._known of one row, in Python."""
-    moved = [s - d for s, d in zip(seconds, seeds) if s == s and d == d]  # x == x: not NaN
-    offset = sum(moved) / len(moved) if moved else 0.0
-    return [d + offset if s != s else s for s, d in zip(seconds, seeds)]
 
 
 def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:
