@@ -1,8 +1,9 @@
 """Adaptive speculation (docs/design.md §9): how many drafts each step makes, chosen from measurements.
 
-Three pieces, all numpy over the batch (no per-request Python work beyond gathering row indices):
+Three pieces, numpy over a large batch and plain Python over a few rows or samples (inside the engine a numpy
+call costs several microseconds; no per-request Python work of any weight at 256 requests):
 
-* `AcceptanceTable`: per request (a row), the conditional acceptance probability of each draft
+* `AcceptanceTable` (acceptance.py): per request (a row), the conditional acceptance probability of each draft
   position (p_j: draft j is accepted given drafts 0..j-1 were), decayed so that a change of topic
   shows within a few steps; a new row starts from the engine-wide prior, itself a slower average of
   every observation.
@@ -19,12 +20,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate
 from operator import mul
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from mtpserve.cluster.acceptance import AcceptanceTable
 from mtpserve.cluster.step_costs import StepCosts
 
 
@@ -88,150 +90,6 @@ def choose_k(gains: Sequence[float], base: float, floor: int, cost: Sequence[flo
     return best
 
 
-class AcceptanceTable:
-    """Per-request decayed acceptance per draft position, rows reused as requests come and go.
-
-    Kept transposed ([K, rows]), with each row's cap as a 0/1 mask over positions, so that folding a
-    batch for the chooser (`fold`) is a gather, a cumulative product and two sums.
-
-    A step's observations are queued as the scheduler gathers them, (row, drafts, accepted) triples (a
-    list append: the host pays per step only that; made an array every step, they took 180 us at 256
-    requests on the 2-core CPU), and folded in when the chooser reads the estimates (once per dwell) or
-    on `flush`, as one block: each (row, position) moves by the weight its s new observations have
-    together, 1 - (1 - decay)^s, toward their mean. That is the one-by-one update where a row's outcomes
-    within the block agree, and their average over orders where they differ (a dwell is 8 steps or more, a
-    topic changes over a few dozen). The block fold is a few whole-table operations (bincounts of how far
-    each observation reached, made per position by a reverse cumulative sum; a [K, observations] mask made
-    the fold of a 128-step dwell at 256 requests 10 ms on the 2-core CPU, 5 ms now): on
-    the H100's host, where a numpy call costs about 3 us, the exact one-by-one fold took 0.43 ms of a full
-    choice (run 168). A row admitted in between starts from the prior of the last fold, and only the
-    observations queued after its admission are its own.
-    """
-
-    def __init__(self, config: AdaptiveConfig) -> None:
-        self.config = config
-        k, rows = max(config.max_k, 1), config.max_rows
-        self.prior_list = [config.initial_acceptance] * k  # the engine-wide prior per position, as of the last fold
-        self._j = np.arange(k)  # draft positions
-        self._width = k + 1  # an observation's reach: 0..K positions
-        self.p = np.full((k, rows), config.initial_acceptance)  # [K, rows]
-        self.n = np.zeros((k, rows))  # decayed observation counts behind p
-        self.within = np.zeros((k, rows))  # 1 where position j + 1 <= the row's cap
-        self.adaptive = np.zeros(rows, dtype=bool)
-        self.greedy = np.ones(rows, dtype=bool)  # the row's request samples greedily (the step costs' mode)
-        self.floor_cap = np.zeros(rows, dtype=np.int64)  # a fixed request's k (0 for adaptive rows)
-        self.prior_seen = [0] * k  # observations of each position folded into the prior
-        self.now = 0  # steps so far (the chooser counts them)
-        self.drafted_at = np.zeros(k, dtype=np.int64)  # the fold that last saw each position, any request
-        self._free = list(range(rows - 1, -1, -1))
-        self._pending: list[list[tuple[int, int, int]]] = []  # per queued step, (row, drafts, accepted)
-        self._owned_from = np.zeros(rows, dtype=np.int64)  # the first queued step that is the row's own
-        self._reused = False  # a row was acquired while steps were queued (some may be a former holder's)
-
-    @property
-    def prior(self) -> np.ndarray:
-        """[K] the engine-wide prior per position, as of the last fold."""
-        return np.array(self.prior_list)
-
-    def acquire(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
-        row = self._free.pop()
-        self.greedy[row] = greedy
-        self._owned_from[row] = len(self._pending)  # a previous holder's queued steps count for the prior only
-        self._reused |= bool(self._pending)
-        self.within[:, row] = self._j < cap
-        self.adaptive[row], self.floor_cap[row] = adaptive, 0 if adaptive else cap
-        self.p[:, row], self.n[:, row] = self.prior_list, 0.0
-        return row
-
-    def release(self, row: int) -> None:
-        self._free.append(row)
-
-    def set(self, rows: np.ndarray, p: np.ndarray) -> None:
-        """Estimates p [K, n] for rows [n], held as certain (tests: synthetic tables)."""
-        self.flush()
-        self.p[:, rows], self.n[:, rows] = p, 1e12
-
-    def fold(self, rows: np.ndarray) -> tuple[list[float], float, int]:
-        """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
-        token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k). Each row's
-        estimate is shrunk toward the prior by its observation count, as if the prior were prior_strength
-        observations."""
-        self.flush()
-        n, s = self.n.take(rows, axis=1), self.config.prior_strength
-        mine = n / np.maximum(n + s, 1e-300)  # strength 0 and no observation: 0, the prior alone
-        prior = self.prior[:, None]
-        reach = prior + mine * (self.p.take(rows, axis=1) - prior)  # [K, n]
-        np.cumprod(reach, axis=0, out=reach)  # prod_{i <= j} p_i
-        reach *= self.within.take(rows, axis=1)
-        gains = reach @ self.adaptive.take(rows)
-        return gains.tolist(), rows.size + float(reach.sum() - gains.sum()), int(self.floor_cap.take(rows).max())
-
-    def observe(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
-        """A step verified drafts[i] drafts of row rows[i] (each row once) and accepted accepted[i] of them:
-        positions j < accepted were accepted, position `accepted` (when < drafts) rejected, later ones not
-        seen. Queued until the next fold."""
-        self.observe_step(list(zip(np.asarray(rows).tolist(), np.asarray(drafts).tolist(),
-                                   np.asarray(accepted).tolist())))
-
-    def observe_step(self, seen: list[tuple[int, int, int]]) -> None:
-        """`observe` as the scheduler gathers a step: (row, drafts, accepted) per request that drafted. Folded
-        at once every max_dwell queued steps: the chooser folds them once per dwell while adaptive requests
-        run, but no choice is made while only fixed-k ones do, and their queue grew with every step (an
-        engine serving fixed k alone held all of them; the next auto cell of the T = 1 matrix folded 190k)."""
-        if seen:
-            self._pending.append(seen)
-            if len(self._pending) >= self.config.max_dwell:
-                self.flush()
-
-    def flush(self) -> None:
-        """Fold the queued steps into the estimates as one block (see the class)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        sizes = [len(step) for step in pending]
-        flat = np.fromiter(chain.from_iterable(chain.from_iterable(pending)), np.int64, 3 * sum(sizes))
-        rows, drafts, accepted = flat.reshape(-1, 3).T
-        reach = np.minimum(accepted + 1, drafts)  # an observation saw positions j < reach, hit those j < accepted
-        width = self._width
-        seen, hit = _tails(np.bincount(reach, minlength=width)), _tails(np.bincount(accepted, minlength=width))
-        self._fold_prior(seen, hit)
-        self.drafted_at[seen > 0] = self.now
-        own = None
-        if self._reused:  # a former holder's observations count for the prior only
-            own = np.repeat(np.arange(len(pending)), sizes) >= self._owned_from[rows]
-            self._owned_from[:], self._reused = 0, False
-        at, size = rows * width, self.p.shape[1] * width  # flat index of (row, reach)
-        self._fold_rows(_tails(np.bincount(at + reach, own, size).reshape(-1, width)).T,
-                        _tails(np.bincount(at + accepted, own, size).reshape(-1, width)).T)
-
-    def _fold_rows(self, s: np.ndarray, h: np.ndarray) -> None:
-        """s [K, rows] observations of each (position, row), h of them hits: p moves by 1 - (1 - d)^s toward
-        h / s, and n = (1 - d)^s n + sum_{e < s} (1 - d)^e (what one-by-one updates give for n, in any order)."""
-        d = self.config.decay
-        moved = 1.0 - (1.0 - d) ** s  # 0 where nothing was seen
-        self.p += moved * (h / np.maximum(s, 1.0) - self.p)
-        self.n += moved * (1.0 / d - self.n)
-
-    def _fold_prior(self, seen: np.ndarray, hits: np.ndarray) -> None:
-        """Each position's prior moves toward the block's mean by the larger of a decayed weight (prior_decay
-        per observation) and a plain running mean's (the initial prior counting as prior_weight observations),
-        so that the engine-wide figure settles within the first steps, and requests that start from it do
-        not run for long at the initial guess."""
-        c, prior = self.config, self.prior_list
-        for j, (s, h) in enumerate(zip(seen.tolist(), hits.tolist())):  # K positions: plain Python
-            if s:
-                self.prior_seen[j] += s
-                weight = max(1.0 - (1.0 - c.prior_decay) ** s, s / (c.prior_weight + self.prior_seen[j]))
-                prior[j] += weight * (h / s - prior[j])
-
-
-def _tails(counts: np.ndarray) -> np.ndarray:
-    """counts [..., K + 1] of observations reaching exactly v = 0..K positions -> [..., K]: those reaching past
-    position j (a reverse cumulative sum: position j is seen, or hit, by every observation with v > j). Counting
-    values instead of a [K, observations] mask: a dwell of 128 steps at 256 requests folded in 10 ms."""
-    return counts.sum(axis=-1, keepdims=True) - np.cumsum(counts, axis=-1)[..., :-1]
-
-
 class _Held(NamedTuple):
     """A bucket's last choice: its k, the k a probe of it left (-1: none), the step it was made at, its dwell."""
 
@@ -250,7 +108,8 @@ class AdaptiveSpec:
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
-        self.chosen = np.zeros(config.max_k + 1, dtype=np.int64)  # steps planned at each k (for reports)
+        self._chosen = [0] * (config.max_k + 1)  # steps planned at each k (a list: a numpy element += every
+        # step cost auto's held step more than the rest of it, inside the engine)
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
         self.dwell = config.min_dwell  # steps the last choice holds
         self.active = False  # whether the last choice had an adaptive request to choose for
@@ -265,6 +124,11 @@ class AdaptiveSpec:
         # again. At c = 1 the next request joins while the last one finishes: the batch went 1 -> 2 -> 1 and
         # made two full choices per request (run 171).
         self._held_of: dict[int, _Held] = {}
+
+    @property
+    def chosen(self) -> np.ndarray:
+        """[K + 1] steps planned at each k (for reports)."""
+        return np.array(self._chosen)
 
     def admit(self, cap: int, adaptive: bool, greedy: bool = True) -> int:
         """A row for a request joining the batch: cap = its upper bound (adaptive) or its fixed k; greedy: it
@@ -306,7 +170,7 @@ class AdaptiveSpec:
             # batch, and a full choice for each (about 0.5 ms on the H100's host) cost auto 3-5 % (run 96).
             if bucket != self._bucket or self._held >= self.dwell:
                 return self._choose_for_newcomers(batch)
-            self.chosen[self.k] += 1
+            self._chosen[self.k] += 1
             return self.k
         if not self.active:
             return self.k
@@ -343,7 +207,7 @@ class AdaptiveSpec:
             else:
                 self.dwell = self._dwell(time.perf_counter() - t0, float(costs[k]))
             self._remember()
-        self.chosen[self.k] += 1
+        self._chosen[self.k] += 1
         return self.k
 
     def _choose_for_newcomers(self, batch: int) -> int:
@@ -360,7 +224,7 @@ class AdaptiveSpec:
         self._probed_from = -1
         self._held, self.dwell = 0, self.config.min_dwell
         self._remember()
-        self.chosen[self.k] += 1
+        self._chosen[self.k] += 1
         return self.k
 
     def _remember(self) -> None:

@@ -20,7 +20,7 @@ kept apart because they behave differently:
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from itertools import islice
 from typing import Sequence
 
@@ -45,21 +45,22 @@ class DeviceCosts:
     A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
     when a cell without a seed is first measured and every `REFIT` samples after; `row` estimates what is
     marked when the chooser asks (once per dwell, not every step). Between refits a row's measured cells
-    follow their samples and its estimated ones hold. A step's sample and a row's update are plain Python
-    over a few floats: inside the engine each numpy call on the chooser's cold path cost 5-8 us (a full
-    choice about 1 ms on the 2-core CPU, against 0.5 ms in a loop); the whole table's refit stays numpy.
+    follow their samples and its estimated ones hold. A step's sample, a row's update and the whole table's
+    refit are plain Python over a few floats: inside the engine each numpy call on the chooser's cold path cost
+    5-8 us (a full choice about 1 ms on the 2-core CPU, against 0.5 ms in a loop).
     """
 
     REFIT = 256  # a refit is about as costly as the rest of a full choice: every 32 samples it was every 4th
 
     def __init__(self, max_k: int, buckets: np.ndarray, window: int, per_draft_cost: float) -> None:
         self.window, self.per_draft_cost, self.buckets = window, per_draft_cost, buckets
+        self._sizes = buckets.tolist()
         self._seeds = [[math.nan] * (max_k + 1) for _ in buckets]  # start-up timings
         self._recent = [[deque(maxlen=window) for _ in range(max_k + 1)] for _ in buckets]  # each cell's last samples
         self._counts = [[0] * (max_k + 1) for _ in buckets]
         self._count = 0
         self._slope = per_draft_cost
-        self._table: list[list[float]] = self._estimate(self._known_table()).tolist()
+        self._table: list[list[float]] = self._estimate(self._known_table())
         self._stale = [False] * len(buckets)  # rows of _table to estimate again
         self._refit = False  # the slope and every row
 
@@ -104,7 +105,7 @@ class DeviceCosts:
             known = self._known_table()
             # The estimate is drawn with the slope of the refit before, as it always was (a tuple assignment
             # hid the order); drawn with the new one it changes the chooser's choices, not yet measured on a GPU.
-            self._table, self._refit = self._estimate(known).tolist(), False
+            self._table, self._refit = self._estimate(known), False
             self._slope = self.slope(known)
             self._stale = [False] * len(self.buckets)
         elif self._stale[b]:
@@ -113,12 +114,11 @@ class DeviceCosts:
             self._stale[b] = False
         return self._table[b]
 
-    def slope(self, known: np.ndarray) -> float:
-        """Relative extra device cost per draft (b / a of cost = a + b k) in the known table [buckets, K + 1], the
+    def slope(self, known: list[list[float]]) -> float:
+        """Relative extra device cost per draft (b / a of cost = a + b k) in the known table [buckets][K + 1], the
         median over the buckets where two or more k are known; the configured prior before that."""
-        a, b, n = _line_fit(known)
-        rel = np.divide(b, a, out=np.zeros_like(b), where=a > 0)[(n >= 2) & (a > 0)]
-        return float(np.clip(_median(rel), 0.0, 10.0)) if rel.size else self.per_draft_cost
+        rel = [b / a for a, b, n in map(_line_fit, known) if n >= 2 and a > 0]
+        return min(max(_median(rel), 0.0), 10.0) if rel else self.per_draft_cost
 
     def _known_row(self, b: int) -> list[float]:
         """Bucket b's [K + 1]: the lower median of each measured cell's recent samples, else its seed moved by
@@ -129,24 +129,26 @@ class DeviceCosts:
         offset = sum(moved) / len(moved) if moved else 0.0
         return [d + offset if m != m else m for m, d in zip(medians, seeds)]
 
-    def _known_table(self) -> np.ndarray:
-        return np.array([self._known_row(b) for b in range(len(self.buckets))])
+    def _known_table(self) -> list[list[float]]:
+        return [self._known_row(b) for b in range(len(self._sizes))]
 
-    def _estimate(self, known_all: np.ndarray) -> np.ndarray:
-        """Known where known (known_all [buckets, K + 1], NaN elsewhere); elsewhere the bucket's own line through
+    def _estimate(self, known_all: list[list[float]]) -> list[list[float]]:
+        """Known where known (known_all [buckets][K + 1], NaN elsewhere); elsewhere the bucket's own line through
         its known k (two or more), else 1 + slope * k scaled to its one known cost, or to the nearest bucket's
-        level where it knows none (device time grows slowly with the batch; unscaled where no bucket knows any)."""
-        ks = np.arange(known_all.shape[1])
-        levels = np.nanmax(np.where(np.isnan(known_all), -np.inf, known_all / (1.0 + self._slope * ks)), axis=1)
-        some = np.flatnonzero(~np.isnan(known_all).all(axis=1))
-        if some.size:  # each bucket's nearest one with a known k, itself where it has one
-            gap = np.abs(np.log(self.buckets[:, None] / self.buckets[some][None, :]))
-            levels = levels[some[np.argmin(gap, axis=1)]]
-        else:
-            levels = np.ones(len(self.buckets))
-        a, b, n = _line_fit(known_all)
-        fitted = np.where((n >= 2)[:, None], a[:, None] + b[:, None] * ks, levels[:, None] * (1.0 + self._slope * ks))
-        return np.where(np.isnan(known_all), fitted, known_all)
+        level where it knows none (device time grows slowly with the batch; unscaled where no bucket knows any).
+        Plain Python over the table's few dozen cells (numpy's calls cost a refit 0.6-0.9 ms inside the engine
+        on the 2-core CPU)."""
+        slope, sizes = self._slope, self._sizes
+        some = [b for b, row in enumerate(known_all) if any(x == x for x in row)]  # x == x: not NaN
+        table = []
+        for b, row in enumerate(known_all):
+            a, per_draft, n = _line_fit(row)
+            if n < 2:  # no line of its own: the level of its nearest bucket with a known k (itself where it has one)
+                near = known_all[min(some, key=lambda c: abs(math.log(sizes[b] / sizes[c])))] if some else []
+                level = max((x / (1.0 + slope * k) for k, x in enumerate(near) if x == x), default=1.0)
+                a, per_draft = level, level * slope
+            table.append([a + per_draft * k if x != x else x for k, x in enumerate(row)])
+        return table
 
 
 class StepCosts:
@@ -324,36 +326,35 @@ class StepCosts:
         count = self.host_samples[b]
         newest = list(islice(reversed(self.host_recent[b]), self.window))  # per request, the newest samples
         if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
-            self._slopes[b] = self._fit_slopes(b, np.array(newest).T)
+            self._slopes[b] = self._fit_slopes(b, newest)
             self._fitted_at[b] = count
         slope, per_draft = self._slopes[b]
         level = _lower_median([s - slope * e - per_draft * k for s, e, k in newest])
         return level * batch, slope, max(per_draft, 0.0), _lower_median([s for s, _, _ in newest]) * batch
 
-    def _fit_slopes(self, b: int, newest: np.ndarray) -> tuple[float, float]:
-        """(b, c) of bucket b's host line: drawn from its window, bounded by its newest samples newest [3, n]
-        (per request: host seconds, tokens, k)."""
-        now_s, now_e, now_k = newest
-        seconds, emitted, ks = np.array(self.host_recent[b]).T
+    def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float]:
+        """(b, c) of bucket b's host line: drawn from its window, bounded by its newest samples (per request: host
+        seconds, tokens, k). Plain Python over at most HOST_WINDOW samples: inside the engine, numpy's calls
+        made a refit 0.35-0.45 ms on the 2-core CPU."""
+        seconds, emitted, ks = zip(*self.host_recent[b])
         # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
         # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
-        slope, per_draft = _host_slopes(seconds, emitted, ks, _median(seconds), float(self.host_slopes[b]))
+        slope, per_draft = _host_slopes(seconds, emitted, ks, _median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         self.host_draft_slopes[b] = per_draft = self.host_draft_slopes[b] if per_draft is None else per_draft
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
-        slope = min(slope, _median(now_s / np.maximum(now_e, 1e-9)))
-        rest = now_s - slope * now_e
-        drafted = now_k > 0
-        if drafted.any():
-            per_draft = min(per_draft, _median(rest[drafted] / now_k[drafted]))
+        slope = min(slope, _median([s / max(e, 1e-9) for s, e, _ in newest]))
+        drafted = [(s - slope * e) / k for s, e, k in newest if k > 0]
+        if drafted:
+            per_draft = min(per_draft, _median(drafted))
         # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
         # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
         # at c = 8 and 0.54 at T = 1, c = 256). A window of one k cannot tell the level from the slopes, and
         # one that put nearly all of a greedy c = 128 step's host in its tokens and drafts priced k = 4 at
         # 5.8x k = 0: auto ran k = 0, then caught up all 128 requests (run 143).
-        saved = _median((slope * np.maximum(now_e - 1.0, 0.0) + per_draft * now_k) / np.maximum(now_s, 1e-12))
+        saved = _median([(slope * max(e - 1.0, 0.0) + per_draft * k) / max(s, 1e-12) for s, e, k in newest])
         if saved > 1.0 - self.HOST_KEPT:
             scale = (1.0 - self.HOST_KEPT) / saved
             slope, per_draft = slope * scale, per_draft * scale
@@ -374,54 +375,56 @@ def _median(values: Sequence[float] | np.ndarray) -> float:
     return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
-def _host_slope(seconds: np.ndarray, tokens: np.ndarray, median: float) -> float | None:
+def _host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float) -> float | None:
     """b of host seconds = a + b * tokens by least squares, leaving out stretched samples (over twice the
     median: a GC pause, the OS); None where tokens hardly vary (one k at a large batch: the slope would be
     noise) or the line would cross zero before zero tokens (the host sped up or slowed down between the k's
     in the window: at T = 1, c = 256 on the H100 such a line read -2.4 ms + 0.026 ms a token and held auto
-    at k = 0 for a whole round, run 74), 0 where the fit slopes down."""
-    keep = seconds <= 2.0 * median
-    x, y = tokens[keep], seconds[keep]
-    if x.size < 8 or x.std() < 0.05 * max(x.mean(), 1e-9):
+    at k = 0 for a whole round, run 74), 0 where the fit slopes down. Plain Python, as all the host line's fits:
+    a window holds at most HOST_WINDOW samples."""
+    kept = [(x, y) for x, y in zip(tokens, seconds) if y <= 2.0 * median]
+    if len(kept) < 8:
         return None
-    slope = max(float(np.cov(x, y, bias=True)[0, 1] / x.var()), 0.0)
-    return None if y.mean() - slope * x.mean() < 0 else slope
+    mean_x, mean_y = sum(x for x, _ in kept) / len(kept), sum(y for _, y in kept) / len(kept)
+    xx = sum((x - mean_x) ** 2 for x, _ in kept)
+    if math.sqrt(xx / len(kept)) < 0.05 * max(mean_x, 1e-9):
+        return None
+    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in kept) / xx, 0.0)
+    return None if mean_y - slope * mean_x < 0 else slope
 
 
-def _host_slopes(seconds: np.ndarray, tokens: np.ndarray, ks: np.ndarray, median: float, kept: float
+def _host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence[int], median: float, kept: float
                  ) -> tuple[float | None, float | None]:
     """(b, c) of host seconds = a + b * tokens + c * k per request, each None where the window cannot draw it.
     One k in the window (or too few samples of a second): b as _host_slope draws it, c None. Two or more:
     c by least squares on what the tokens leave (b from the samples within each k where they vary, else
     the slope kept from before), 0 where the fit slopes down; both None where the line would cross zero
-    before zero tokens and drafts (the host sped up or slowed down between the k's in the window). Two k's
-    are fitted with sums and bincounts, not np.unique and np.cov: a full choice calls this, and on the 2-core
-    CPU those took half again the time of the rest of the cost row."""
-    keep = seconds <= 2.0 * median
-    x, y, k = tokens[keep], seconds[keep], ks[keep].astype(np.int64)
-    counts = np.bincount(k)
-    if np.count_nonzero(counts >= 4) < 2:
+    before zero tokens and drafts (the host sped up or slowed down between the k's in the window)."""
+    samples = [(x, y, k) for x, y, k in zip(tokens, seconds, ks) if y <= 2.0 * median]
+    count, sum_x, sum_y = Counter(), Counter(), Counter()
+    for x, y, k in samples:
+        count[k] += 1
+        sum_x[k] += x
+        sum_y[k] += y
+    if sum(n >= 4 for n in count.values()) < 2:
         return _host_slope(seconds, tokens, median), None
     # Within each k, tokens vary with acceptance alone: their slope there is the tokens' own price.
-    per_k = np.maximum(counts, 1)
-    x_in, y_in = x - (np.bincount(k, x) / per_k)[k], y - (np.bincount(k, y) / per_k)[k]
-    xx = float(x_in @ x_in)
-    b = max(float(x_in @ y_in) / xx, 0.0) if xx >= len(x) * (0.05 * max(float(x.mean()), 1e-9)) ** 2 else kept
-    rest = y - b * x
-    k_c = k - k.mean()
-    c = max(float(k_c @ (rest - rest.mean())) / float(k_c @ k_c), 0.0)
-    return (None, None) if rest.mean() - c * k.mean() < 0 else (b, c)
+    inside = [(x - sum_x[k] / count[k], y - sum_y[k] / count[k]) for x, y, k in samples]
+    xx, mean_x = sum(x * x for x, _ in inside), sum(sum_x.values()) / len(samples)
+    b = max(sum(x * y for x, y in inside) / xx, 0.0) if xx >= len(samples) * (0.05 * max(mean_x, 1e-9)) ** 2 else kept
+    rest = [(y - b * x, k) for x, y, k in samples]
+    mean_rest, mean_k = sum(r for r, _ in rest) / len(rest), sum(k for _, k in rest) / len(rest)
+    c = max(sum((k - mean_k) * (r - mean_rest) for r, k in rest) / sum((k - mean_k) ** 2 for _, k in rest), 0.0)
+    return (None, None) if mean_rest - c * mean_k < 0 else (b, c)
 
 
-def _line_fit(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row, least squares cost = a + b k through the known (non-NaN) entries, b >= 0 (a step never gets
+def _line_fit(seconds: list[float]) -> tuple[float, float, int]:
+    """Least squares cost = a + b k through the known (non-NaN) entries of one row, b >= 0 (a step never gets
     cheaper with more drafts): (a, b, number of known entries)."""
-    known = ~np.isnan(seconds)
-    ks = np.where(known, np.arange(seconds.shape[1]), 0.0)
-    ys = np.where(known, seconds, 0.0)
-    n = known.sum(axis=1)
-    sx, sy, sxx, sxy = ks.sum(1), ys.sum(1), (ks * ks).sum(1), (ks * ys).sum(1)
+    points = [(k, y) for k, y in enumerate(seconds) if y == y]  # y == y: not NaN
+    n = len(points)
+    sx, sy = sum(k for k, _ in points), sum(y for _, y in points)
+    sxx, sxy = sum(k * k for k, _ in points), sum(k * y for k, y in points)
     den = n * sxx - sx * sx
-    b = np.clip(np.divide(n * sxy - sx * sy, den, out=np.zeros(len(n)), where=den > 0), 0.0, None)
-    a = np.divide(sy - b * sx, n, out=np.ones(len(n)), where=n > 0)
-    return a, b, n
+    b = max((n * sxy - sx * sy) / den, 0.0) if den > 0 else 0.0
+    return ((sy - b * sx) / n if n else 1.0), b, n

@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from mtpserve.cluster.spec_chooser import AcceptanceTable, AdaptiveConfig, AdaptiveSpec, choose_k, expected_tokens
+from mtpserve.cluster.acceptance import AcceptanceTable
+from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec, choose_k, expected_tokens
 
 K = 4
 
@@ -236,6 +237,56 @@ def test_a_reused_row_starts_over_and_its_old_steps_count_for_the_prior_only() -
     d = t.config.decay
     np.testing.assert_allclose(t.p[:2, row], 0.6 + d * (1.0 - 0.6))  # its own step only
     assert t.prior[0] < 0.6 + 0.5 * (1.0 - 0.6)  # while the prior saw the rejection too
+
+
+def _feed(t: AcceptanceTable, rng: np.random.Generator, rows: list[int], steps: int, reuse: bool = True) -> None:
+    """Steps of random drafts and accepted counts for a random subset of rows; with `reuse`, a row released and
+    reused between two folds now and then (its old steps count for the prior only)."""
+    for step in range(steps):
+        subset = rng.choice(rows, size=int(rng.integers(1, len(rows) + 1)), replace=False).tolist()
+        drafts = rng.integers(0, K + 1, len(subset)).tolist()
+        t.observe_step([(r, d, int(rng.integers(0, d + 1))) for r, d in zip(subset, drafts) if d])
+        if reuse and step % 7 == 3:
+            row = int(rng.choice(rows))
+            t.release(row)
+            assert t.acquire(K, bool(rng.integers(0, 2))) == row
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_small_block_folds_as_the_whole_table_does(seed: int) -> None:
+    """A small block is folded in plain Python, a large one as whole-table operations: the same estimates."""
+    few, many = (AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=16)) for _ in range(2))
+    few.FEW_OBSERVATIONS, many.FEW_OBSERVATIONS = 10**9, 0
+    rows = [few.acquire(K, True) for _ in range(12)]
+    assert [many.acquire(K, True) for _ in range(12)] == rows
+    for fold in range(6):
+        for table in (few, many):
+            _feed(table, np.random.default_rng([seed, fold]), rows, 20)
+            table.now += 1
+            table.flush()
+        np.testing.assert_allclose(few.p, many.p, rtol=1e-12)
+        np.testing.assert_allclose(few.n, many.n, rtol=1e-12)
+        np.testing.assert_allclose(few.prior_list, many.prior_list, rtol=1e-12)
+        assert few.drafted_at == many.drafted_at
+    assert not np.allclose(few.p[:, rows], few.config.initial_acceptance)  # the blocks moved the estimates
+
+
+def test_a_few_rows_are_gathered_for_the_chooser_as_the_whole_table_does() -> None:
+    """fold() reads a few rows one by one in plain Python, many with whole-table operations: the same gains,
+    base and floor, adaptive and fixed rows and caps alike."""
+    few, many = (AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=16)) for _ in range(2))
+    few.FEW_ROWS, many.FEW_ROWS = 10**9, 0
+    rng = np.random.default_rng(7)
+    caps, adaptive = rng.integers(0, K + 1, 10).tolist(), (rng.random(10) < 0.6).tolist()
+    rows = [t.acquire(c, a) for c, a in zip(caps, adaptive) for t in (few, many)][::2]
+    for table in (few, many):
+        _feed(table, np.random.default_rng(8), rows, 30, reuse=False)
+        table.flush()
+    for subset in (rows, rows[:1], rows[3:7]):
+        (gains_a, base_a, floor_a), (gains_b, base_b, floor_b) = few.fold(np.array(subset)), many.fold(np.array(subset))
+        np.testing.assert_allclose(gains_a, gains_b, rtol=1e-12)
+        assert base_a == pytest.approx(base_b, rel=1e-12) and floor_a == floor_b
+    assert floor_a == max(c for c, a, r in zip(caps, adaptive, rows) if not a and r in rows[3:7])
 
 
 def _serve_step(spec: AdaptiveSpec, rows: np.ndarray, p: float, cost: Callable[[int], float],

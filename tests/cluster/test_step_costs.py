@@ -4,11 +4,13 @@ test_spec_chooser.py."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from mtpserve.cluster.spec_chooser import choose_k
-from mtpserve.cluster.step_costs import DeviceCosts, StepCosts
+from mtpserve.cluster.step_costs import DeviceCosts, StepCosts, _host_slope, _host_slopes, _line_fit
 
 K = 4
 
@@ -295,3 +297,23 @@ def test_the_hosts_share_per_draft_is_priced_beyond_its_tokens() -> None:
     gains = np.diff(tokens)
     assert choose_k(gains, tokens[0], 0, costs.costs(batch, tokens), current=K) == 1
     assert choose_k(gains, tokens[0], 0, b * tokens + batch * a, current=K) == K  # tokens alone: the most drafts
+
+
+def test_the_lines_are_least_squares_fits() -> None:
+    """The host's and the device's lines, fitted in plain Python, against numpy's least squares."""
+    rng = np.random.default_rng(0)
+    tokens, ks = rng.uniform(1.0, 5.0, 64), rng.integers(1, 5, 64)
+    seconds = 1e-4 + 2e-6 * tokens + 5e-6 * ks + rng.uniform(0.0, 2e-6, 64)
+    assert _host_slope(seconds.tolist(), tokens.tolist(), float(np.median(seconds))) == pytest.approx(
+        np.polyfit(tokens, seconds, 1)[0], rel=1e-9)
+    # Two or more k: the tokens' slope within each k (a regression with a level per k), then k's on the rest.
+    levels = (ks[:, None] == np.unique(ks)[None, :]).astype(float)
+    within = np.linalg.lstsq(np.column_stack((tokens, levels)), seconds, rcond=None)[0][0]
+    per_draft = np.polyfit(ks, seconds - within * tokens, 1)[0]
+    b, c = _host_slopes(seconds.tolist(), tokens.tolist(), ks.tolist(), float(np.median(seconds)), 0.0)
+    assert (b, c) == (pytest.approx(within, rel=1e-9), pytest.approx(per_draft, rel=1e-9))
+    assert abs(b - 2e-6) < 2e-7 and abs(c - 5e-6) < 5e-7
+    row = [1.0, math.nan, 1.3, 1.35, math.nan]
+    a, slope, n = _line_fit(row)
+    fitted = np.polyfit([0, 2, 3], [1.0, 1.3, 1.35], 1)
+    assert n == 3 and (slope, a) == tuple(pytest.approx(v, rel=1e-12) for v in fitted)
