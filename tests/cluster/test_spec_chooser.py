@@ -256,7 +256,7 @@ def _feed(t: AcceptanceTable, rng: np.random.Generator, rows: list[int], steps: 
 def test_a_small_block_folds_as_the_whole_table_does(seed: int) -> None:
     """A small block is folded in plain Python, a large one as whole-table operations: the same estimates."""
     few, many = (AcceptanceTable(AdaptiveConfig(max_k=K, max_rows=16)) for _ in range(2))
-    few.FEW_OBSERVATIONS, many.FEW_OBSERVATIONS = 10**9, 0
+    few.FEW_OBSERVATIONS, few.FEW_ROWS, many.FEW_OBSERVATIONS = 10**9, 10**9, 0
     rows = [few.acquire(K, True) for _ in range(12)]
     assert [many.acquire(K, True) for _ in range(12)] == rows
     for fold in range(6):
