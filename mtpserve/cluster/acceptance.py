@@ -39,7 +39,8 @@ class AcceptanceTable:
 
     # A block of at most FEW_OBSERVATIONS observations, of at most FEW_ROWS requests a step, is folded in plain
     # Python, and a batch of at most FEW_ROWS rows gathered so (about 0.35 us an observation and 10 us a row):
-    # at 32 rows the Python paths made a full choice 621 us on the H100's host, against 213 with numpy (runs 193, 188).
+    # at 32 rows the Python paths made a full choice 621 us on the H100's host, against 213 with numpy (runs 193,
+    # 188).
     FEW_OBSERVATIONS = 256
     FEW_ROWS = 8
 
