@@ -52,9 +52,10 @@ class DeviceCosts:
 
     REFIT = 256  # a refit is about as costly as the rest of a full choice: every 32 samples it was every 4th
 
-    def __init__(self, max_k: int, buckets: np.ndarray, window: int, per_draft_cost: float) -> None:
-        self.window, self.per_draft_cost, self.buckets = window, per_draft_cost, buckets
-        self._sizes = buckets.tolist()
+    def __init__(self, max_k: int, sizes: list[int], window: int, per_draft_cost: float) -> None:
+        self.window, self.per_draft_cost = window, per_draft_cost
+        self._sizes = sizes  # each bucket's batch size
+        buckets = range(len(sizes))
         self._seeds = [[math.nan] * (max_k + 1) for _ in buckets]  # start-up timings
         self._recent = [[deque(maxlen=window) for _ in range(max_k + 1)] for _ in buckets]  # each cell's last samples
         self._counts = [[0] * (max_k + 1) for _ in buckets]
@@ -107,7 +108,7 @@ class DeviceCosts:
             # hid the order); drawn with the new one it changes the chooser's choices, not yet measured on a GPU.
             self._table, self._refit = self._estimate(known), False
             self._slope = self.slope(known)
-            self._stale = [False] * len(self.buckets)
+            self._stale = [False] * len(self._sizes)
         elif self._stale[b]:
             known_row = self._known_row(b)
             self._table[b] = [t if x != x else x for t, x in zip(self._table[b], known_row)]
@@ -184,7 +185,7 @@ class StepCosts:
         self.buckets = np.array(batch_buckets(max_rows))
         self._sizes = self.buckets.tolist()
         nb = len(self._sizes)
-        self.modes = {greedy: DeviceCosts(max_k, self.buckets, window, per_draft_cost) for greedy in (True, False)}
+        self.modes = {greedy: DeviceCosts(max_k, self._sizes, window, per_draft_cost) for greedy in (True, False)}
         # Per bucket, (host, tokens, k) per request of its last HOST_WINDOW samples, any k.
         self.host_recent = [deque(maxlen=self.HOST_WINDOW) for _ in range(nb)]
         self.host_samples = [0] * nb
