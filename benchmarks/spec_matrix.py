@@ -67,6 +67,17 @@ from mtpserve.sampling_params import SamplingParams  # noqa: E402
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_matrix_args(p)
+    p.add_argument("--grpc", default=None, metavar="HOST:PORT", help="measure a running server instead")
+    p.add_argument("--http", default=None, metavar="HOST:PORT", help="measure a running server's OpenAI HTTP API")
+    p.add_argument("--token", default=None, help="bearer token for --grpc/--http (default: $MTPSERVE_AUTH_TOKEN)")
+    args = p.parse_args(argv)
+    common.tiny_defaults(p, args, concurrency="1,4", max_tokens=16, min_requests=4)
+    return args
+
+
+def add_matrix_args(p: argparse.ArgumentParser) -> None:
+    """The matrix's own flags: which cells, which workload, which engine (cell_phases.py shares them)."""
     common.add_common_args(p)
     common.add_model_prompt_args(p)
     p.add_argument("--prompt-lines", type=int, default=2)
@@ -90,12 +101,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grpc", default=None, metavar="HOST:PORT", help="measure a running server instead")
-    p.add_argument("--http", default=None, metavar="HOST:PORT", help="measure a running server's OpenAI HTTP API")
-    p.add_argument("--token", default=None, help="bearer token for --grpc/--http (default: $MTPSERVE_AUTH_TOKEN)")
-    args = p.parse_args(argv)
-    common.tiny_defaults(p, args, concurrency="1,4", max_tokens=16, min_requests=4)
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,23 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             drive, name, close, vocab = _http_target(args, max_k)
         else:
             drive, name, close, vocab = _engine_target(args, device, Path(tmp), max(concurrency), max_k)
-        prompts = _prompts(args, max(cells.values()), vocab)
+        prompts = matrix_prompts(args, max(cells.values()), vocab)
         server = args.grpc or args.http
         where = f"server {server}" if server else f"device {common.device_name(device)}"
         print(f"model {name}; {where}; requests per cell {cells}")
 
         def jobs(k: int | str, n: int, max_tokens: int) -> list[workloads.Job]:
-            return [workloads.Job(p, SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
-                                                    ignore_eos=True, num_speculative_tokens=k, seed=args.seed + i))
-                    for i, p in enumerate(prompts[:n])]
+            return matrix_jobs(args, prompts, k, n, max_tokens)
 
-        # Warm-up, not measured: the same cells once, so every prefill shape's Triton specialisation, every
-        # (bucket, k) graph capture and the allocator's growth happen before the clock runs; then a short
-        # pass of each, whose prompts now hit the prefix cache as the measured runs' will.
-        for tokens, tag in ((args.max_tokens, "warm"), (8, "rewarm")):
-            for k in ks:
-                for c in concurrency:
-                    drive(jobs(k, cells[c], tokens), c, f"{tag}{k}c{c}")
+        warm_up(drive, jobs, ks, cells, args.max_tokens)
 
         workload = "random-token prompts" if args.workload == "random" else "text prompts"
         table = Table(f"spec matrix: {name}, {workload}, {args.max_tokens} tokens per request, "
@@ -192,7 +189,26 @@ AUTO = "auto"
 Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
 
 
-def _prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] | list[list[int]]:
+def matrix_jobs(args: argparse.Namespace, prompts: list[str] | list[list[int]], k: int | str, n: int,
+                max_tokens: int) -> list[workloads.Job]:
+    """A cell's n requests: max_tokens each (eos ignored), k drafts (or "auto"), a seed per request."""
+    return [workloads.Job(p, SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=True,
+                                            num_speculative_tokens=k, seed=args.seed + i))
+            for i, p in enumerate(prompts[:n])]
+
+
+def warm_up(drive: "Driver", jobs: Callable[[int | str, int, int], list[workloads.Job]], ks: list[int | str],
+            cells: dict[int, int], max_tokens: int) -> None:
+    """Every cell once, not measured, so every prefill shape's Triton specialisation, every (bucket, k) graph
+    capture and the allocator's growth happen before the clock runs; then a short pass of each, whose prompts
+    now hit the prefix cache as the measured runs' will."""
+    for tokens, tag in ((max_tokens, "warm"), (8, "rewarm")):
+        for k in ks:
+            for c, n in cells.items():
+                drive(jobs(k, n, tokens), c, f"{tag}{k}c{c}")
+
+
+def matrix_prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[str] | list[list[int]]:
     """--workload text: the prompt source; random: random token ids (seeded), which the model can hardly
     continue predictably, so drafts are mostly rejected."""
     if args.workload == "text":
@@ -243,8 +259,8 @@ def _cell(run: workloads.Run, k: int | str, c: int, max_tokens: int) -> tuple[wo
                  percentile(tpot, 99), run.spec.acceptance_length]
 
 
-def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,
-                   max_k: int) -> Target:
+def build_engine(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int, max_k: int) -> LLMEngine:
+    """The in-process engine the matrix measures (one for every cell: same weights, same KV pool)."""
     model = workloads.resolve_model(args.model, args.tiny, tmp)
     hold = {} if args.prefill_hold_steps is None else {"prefill_hold_steps": args.prefill_hold_steps}
     hold["capture_graphs_at_start"] = not args.no_capture_at_start
@@ -255,6 +271,12 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
                                     **hold))
     check(engine.tokenizer is not None, f"{model} has no tokenizer.json: text prompts cannot be encoded")
     check(engine.model_config.mtp.num_modules > 0 or max_k == 0, f"{model} has no MTP modules")
+    return engine
+
+
+def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,
+                   max_k: int) -> Target:
+    engine = build_engine(args, device, tmp, max_seqs, max_k)
 
     def drive(jobs: list[workloads.Job], c: int, prefix: str) -> workloads.Run:
         adaptive, runner = engine.adaptive, getattr(engine.executor, "runner", None)
@@ -272,7 +294,7 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
                   f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
         return run
 
-    return drive, model.name, engine.shutdown, engine.model_config.vocab_size
+    return drive, engine.resolved.model_path.name, engine.shutdown, engine.model_config.vocab_size
 
 
 def _grpc_target(args: argparse.Namespace, max_k: int) -> Target:

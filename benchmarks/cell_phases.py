@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Where a spec-matrix cell's time goes: the closed loop's wall time split by the kind of step, per k.
+
+    python benchmarks/cell_phases.py --ks 1,2,4,auto --concurrency 128 --temperature 1 --repeats 2
+    python benchmarks/cell_phases.py --tiny --device cpu --ks 1,auto      # a smoke run, seconds
+
+spec_matrix.py ranks whole cells (a closed loop of `conc` requests until 2 x conc have finished), while
+adaptive speculation (docs/design.md §9) prices the decode steps of a steady batch. This runs the
+matrix's cells on the same engine and workload and splits each one's wall time, step by step (the time
+between two returns of LLMEngine.step, attributed to the step whose outputs the second returned), into:
+
+  full     decode steps of the whole batch (conc requests, no prompt tokens)
+  partial  decode steps of fewer requests while requests are still being admitted
+  prompt   steps that computed prompt tokens (their decoding requests' tokens included)
+  catch-up steps that rewound requests whose modules lagged (k rose past them)
+  drain    decode steps of fewer requests after the cell's last prompt step
+
+Per phase: steps, ms and tokens emitted (tok/ms: the phase's rate); then the steps run at each k. A phase
+the chooser does not price (prompt, drain, catch-up) that differs between k's is where a cell's ranking
+can part from the steady decode's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import spec_matrix  # noqa: E402
+import workloads  # noqa: E402
+from common import Table  # noqa: E402
+
+from mtpserve.boundary.messages import StepPlan  # noqa: E402
+from mtpserve.cluster.engine import LLMEngine  # noqa: E402
+
+PHASES = ("full", "partial", "prompt", "catch-up", "drain")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    seconds: float  # since the previous step() returned (the first: since the cell began)
+    batch: int  # requests in the step whose outputs this step() returned
+    prompt_tokens: int
+    tokens: int  # tokens emitted
+    k: int  # the step's chain: its largest num_spec
+    catch_ups: int  # requests rewound by the steps launched in this step() call
+
+
+class StepTracer:
+    """Records every LLMEngine.step of a cell, wrapping the engine's step and postprocess in place."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.records: list[StepRecord] = []
+        self._engine, self._last_k, self._t = engine, 0, 0.0
+        runner = getattr(engine.executor, "runner", None)
+        self._catch_ups = lambda: getattr(runner, "num_catch_ups", 0)
+        step, postprocess = engine.step, engine._postprocess
+
+        def traced_postprocess(plan: StepPlan, *a: Any) -> Any:
+            self._last_k = max(plan.num_spec, default=0)
+            return postprocess(plan, *a)
+
+        def traced_step() -> Any:
+            caught = self._catch_ups()
+            out = step()
+            now, stats = time.perf_counter(), engine.last_stats
+            self.records.append(StepRecord(now - self._t, stats.batch_size, stats.num_prompt_tokens,
+                                           stats.num_generation_tokens, self._last_k, self._catch_ups() - caught))
+            self._t = now
+            return out
+
+        engine._postprocess, engine.step = traced_postprocess, traced_step
+
+    def start(self) -> None:
+        self.records, self._t = [], time.perf_counter()
+
+
+def phase_of(records: list[StepRecord], concurrency: int) -> list[str]:
+    """Each step's phase (see the module's docstring)."""
+    last_prompt = max((i for i, r in enumerate(records) if r.prompt_tokens), default=-1)
+    return ["prompt" if r.prompt_tokens else "catch-up" if r.catch_ups else "full" if r.batch >= concurrency
+            else "drain" if i > last_prompt else "partial" for i, r in enumerate(records)]
+
+
+def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
+    """Per phase 'steps / ms / tok/ms', then the requests caught up and the steps per k."""
+    phases = phase_of(records, concurrency)
+    cells = []
+    for phase in PHASES:
+        mine = [r for r, p in zip(records, phases) if p == phase]
+        ms, tokens = sum(r.seconds for r in mine) * 1e3, sum(r.tokens for r in mine)
+        cells.append(f"{len(mine)} / {ms:.0f} / {tokens / ms:.1f}" if ms else "0")
+    per_k = Counter(r.k for r in records if r.batch)
+    return cells + [str(sum(r.catch_ups for r in records)), " ".join(f"{k}:{n}" for k, n in sorted(per_k.items()))]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    spec_matrix.add_matrix_args(p)
+    args = p.parse_args(argv)
+    common.tiny_defaults(p, args, concurrency="4", max_tokens=16, min_requests=4)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = common.pick_device(args.device, args.tiny)
+    ks, concurrency = common.parse_ks(args.ks), common.parse_ints(args.concurrency)
+    max_k = max((k for k in ks if k != spec_matrix.AUTO), default=0)
+    cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
+    table = Table(f"cell phases: {'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, "
+                  f"{args.workload} prompts, {args.max_tokens} tokens per request; phase: steps / ms / tok/ms",
+                  ["MTP", "conc", "round", "out tok/s", "AL", *PHASES, "caught up", "steps per k"])
+    with tempfile.TemporaryDirectory(prefix="mtpserve-cell-phases-") as tmp:
+        engine = spec_matrix.build_engine(args, device, Path(tmp), max(concurrency), max_k)
+        prompts = spec_matrix.matrix_prompts(args, max(cells.values()), engine.model_config.vocab_size)
+
+        def jobs(k: int | str, n: int, max_tokens: int) -> list[workloads.Job]:
+            return spec_matrix.matrix_jobs(args, prompts, k, n, max_tokens)
+
+        spec_matrix.warm_up(lambda js, c, prefix: workloads.drive(engine, js, c, prefix), jobs, ks, cells,
+                            args.max_tokens)
+        tracer = StepTracer(engine)
+        for c in concurrency:
+            for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
+                for k in ks[r % len(ks):] + ks[: r % len(ks)]:
+                    tracer.start()
+                    run = workloads.drive(engine, jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}")
+                    table.add(f"MTP{k}", str(c), str(r), run.tokens_per_s, run.spec.acceptance_length,
+                              *phase_cells(tracer.records, c))
+        engine.shutdown()
+    common.report(args, "cell_phases", device, [table],
+                  ["phases as in benchmarks/cell_phases.py's docstring; a step's time is the wall between two "
+                   "returns of LLMEngine.step, attributed to the step whose outputs the second returned"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
