@@ -17,7 +17,9 @@ between two returns of LLMEngine.step, attributed to the step whose outputs the 
 
 Per phase: steps, ms and tokens emitted (tok/ms: the phase's rate); then the steps run at each k. A phase
 the chooser does not price (prompt, drain, catch-up) that differs between k's is where a cell's ranking
-can part from the steady decode's.
+can part from the steady decode's. `probe ms` times a fixed piece of plain Python just before and just after
+the cell: the host's speed then (the H100 machine's host has run the same cell 2x slower from one cell to
+the next, every host phase alike; design §9).
 """
 
 from __future__ import annotations
@@ -83,6 +85,21 @@ class StepTracer:
         self.records, self._t = [], time.perf_counter()
 
 
+def host_probe() -> float:
+    """Milliseconds of a fixed piece of plain Python (dicts, lists, arithmetic: what a step's host work is
+    made of), the best of three."""
+    def work() -> int:
+        d = {i: i * 3 for i in range(20000)}
+        return sum(v for k, v in d.items() if k % 3) + len([str(i) for i in range(5000)])
+
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return min(times)
+
+
 def phase_of(records: list[StepRecord], concurrency: int) -> list[str]:
     """Each step's phase (see the module's docstring)."""
     last_prompt = max((i for i, r in enumerate(records) if r.prompt_tokens), default=-1)
@@ -118,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
     table = Table(f"cell phases: {'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, "
                   f"{args.workload} prompts, {args.max_tokens} tokens per request; phase: steps / ms / tok/ms",
-                  ["MTP", "conc", "round", "out tok/s", "AL", *PHASES, "caught up", "steps per k"])
+                  ["MTP", "conc", "round", "probe ms", "out tok/s", "AL", *PHASES, "caught up", "steps per k"])
     with tempfile.TemporaryDirectory(prefix="mtpserve-cell-phases-") as tmp:
         engine = spec_matrix.build_engine(args, device, Path(tmp), max(concurrency), max_k)
         prompts = spec_matrix.matrix_prompts(args, max(cells.values()), engine.model_config.vocab_size)
@@ -132,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         for c in concurrency:
             for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
                 for k in ks[r % len(ks):] + ks[: r % len(ks)]:
+                    probe = host_probe()
                     tracer.start()
                     run = workloads.drive(engine, jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}")
-                    table.add(f"MTP{k}", str(c), str(r), run.tokens_per_s, run.spec.acceptance_length,
+                    table.add(f"MTP{k}", str(c), str(r), f"{probe:.2f} / {host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
                               *phase_cells(tracer.records, c))
         engine.shutdown()
     common.report(args, "cell_phases", device, [table],
