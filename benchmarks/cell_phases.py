@@ -25,6 +25,7 @@ the next, every host phase alike; design §9).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +55,7 @@ class StepRecord:
     tokens: int  # tokens emitted
     k: int  # the step's chain: its largest num_spec
     catch_ups: int  # requests rewound by the steps launched in this step() call
+    schedule: float  # seconds the scheduler took to plan it (plain Python: it moves with the host's speed)
 
 
 class StepTracer:
@@ -75,7 +77,8 @@ class StepTracer:
             out = step()
             now, stats = time.perf_counter(), engine.last_stats
             self.records.append(StepRecord(now - self._t, stats.batch_size, stats.num_prompt_tokens,
-                                           stats.num_generation_tokens, self._last_k, self._catch_ups() - caught))
+                                           stats.num_generation_tokens, self._last_k, self._catch_ups() - caught,
+                                           stats.schedule_seconds))
             self._t = now
             return out
 
@@ -108,13 +111,20 @@ def phase_of(records: list[StepRecord], concurrency: int) -> list[str]:
 
 
 def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
-    """Per phase 'steps / ms / tok/ms', then the requests caught up and the steps per k."""
+    """Per phase 'steps / ms / tok/ms', the full steps' median 'lap ms / schedule us', then the requests caught
+    up and the steps per k."""
     phases = phase_of(records, concurrency)
     cells = []
     for phase in PHASES:
         mine = [r for r, p in zip(records, phases) if p == phase]
         ms, tokens = sum(r.seconds for r in mine) * 1e3, sum(r.tokens for r in mine)
         cells.append(f"{len(mine)} / {ms:.0f} / {tokens / ms:.1f}" if ms else "0")
+    full = [r for r, p in zip(records, phases) if p == "full"]
+    if full:
+        cells.append(f"{statistics.median(r.seconds for r in full) * 1e3:.3f} / "
+                     f"{statistics.median(r.schedule for r in full) * 1e6:.0f}")
+    else:
+        cells.append("-")
     per_k = Counter(r.k for r in records if r.batch)
     return cells + [str(sum(r.catch_ups for r in records)), " ".join(f"{k}:{n}" for k, n in sorted(per_k.items()))]
 
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
     table = Table(f"cell phases: {'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, "
                   f"{args.workload} prompts, {args.max_tokens} tokens per request; phase: steps / ms / tok/ms",
-                  ["MTP", "conc", "round", "probe ms", "out tok/s", "AL", *PHASES, "caught up", "steps per k"])
+                  ["MTP", "conc", "round", "probe ms", "out tok/s", "AL", *PHASES, "full lap ms / sched us",
+                   "caught up", "steps per k"])
     with tempfile.TemporaryDirectory(prefix="mtpserve-cell-phases-") as tmp:
         engine = spec_matrix.build_engine(args, device, Path(tmp), max(concurrency), max_k)
         prompts = spec_matrix.matrix_prompts(args, max(cells.values()), engine.model_config.vocab_size)
@@ -152,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                     probe = host_probe()
                     tracer.start()
                     run = workloads.drive(engine, jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}")
-                    table.add(f"MTP{k}", str(c), str(r), f"{probe:.2f} / {host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
+                    if k == spec_matrix.AUTO and engine.adaptive is not None:
+                        print(f"auto c={c} round {r}: {spec_matrix.describe_auto(engine, c, args.temperature == 0)}")
+                    probes = f"{probe:.2f} / {host_probe():.2f}"
+                    table.add(f"MTP{k}", str(c), str(r), probes, run.tokens_per_s, run.spec.acceptance_length,
                               *phase_cells(tracer.records, c))
         engine.shutdown()
     common.report(args, "cell_phases", device, [table],

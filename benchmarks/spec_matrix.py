@@ -274,6 +274,17 @@ def build_engine(args: argparse.Namespace, device: torch.device, tmp: Path, max_
     return engine
 
 
+def describe_auto(engine: LLMEngine, c: int, greedy: bool) -> str:
+    """What adaptive speculation now prices a batch of c at: the step cost per k, its host line and device row,
+    and the acceptance prior."""
+    adaptive = engine.adaptive
+    costs, (a, b, _) = adaptive.costs.costs(c, greedy=greedy), adaptive.costs.host_line(c)
+    return (f"step cost / k=0 {np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + "
+            f"{b * 1e3:.4f}/token ms + {adaptive.costs.host_per_draft(c) * 1e6:.2f} us a request and draft, "
+            f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
+            f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
+
+
 def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,
                    max_k: int) -> Target:
     engine = build_engine(args, device, tmp, max_seqs, max_k)
@@ -284,14 +295,9 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
         run = workloads.drive(engine, jobs, c, prefix)
         if before is not None and any(j.params.num_speculative_tokens == AUTO for j in jobs):
             steps = adaptive.chosen - before[0]
-            greedy = jobs[0].params.greedy
-            costs, (a, b, _) = adaptive.costs.costs(c, greedy=greedy), adaptive.costs.host_line(c)
             print(f"  auto {prefix}: steps per chosen k {dict(enumerate(steps.tolist()))}, "
-                  f"requests caught up {runner.num_catch_ups - before[1]}; step cost / k=0 at the end "
-                  f"{np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + {b * 1e3:.4f}/token ms + "
-                  f"{adaptive.costs.host_per_draft(c) * 1e6:.2f} us a request and draft, "
-                  f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
-                  f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
+                  f"requests caught up {runner.num_catch_ups - before[1]}; "
+                  f"{describe_auto(engine, c, jobs[0].params.greedy)}")
         return run
 
     return drive, engine.resolved.model_path.name, engine.shutdown, engine.model_config.vocab_size
