@@ -25,6 +25,7 @@ the next, every host phase alike; design §9).
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,7 @@ class StepRecord:
     k: int  # the step's chain: its largest num_spec
     catch_ups: int  # requests rewound by the steps launched in this step() call
     schedule: float  # seconds the scheduler took to plan it (plain Python: it moves with the host's speed)
+    faults: int  # minor page faults of the process during this step() call (memory the allocator mapped anew)
 
 
 class StepTracer:
@@ -73,12 +75,12 @@ class StepTracer:
             return postprocess(plan, *a)
 
         def traced_step() -> Any:
-            caught = self._catch_ups()
+            caught, faults = self._catch_ups(), minor_faults()
             out = step()
             now, stats = time.perf_counter(), engine.last_stats
             self.records.append(StepRecord(now - self._t, stats.batch_size, stats.num_prompt_tokens,
                                            stats.num_generation_tokens, self._last_k, self._catch_ups() - caught,
-                                           stats.schedule_seconds))
+                                           stats.schedule_seconds, minor_faults() - faults))
             self._t = now
             return out
 
@@ -86,6 +88,10 @@ class StepTracer:
 
     def start(self) -> None:
         self.records, self._t = [], time.perf_counter()
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def host_probe() -> float:
@@ -111,8 +117,8 @@ def phase_of(records: list[StepRecord], concurrency: int) -> list[str]:
 
 
 def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
-    """Per phase 'steps / ms / tok/ms', the full steps' median 'lap ms / schedule us', then the requests caught
-    up and the steps per k."""
+    """Per phase 'steps / ms / tok/ms', the full steps' medians 'lap ms / schedule us / page faults', then the
+    requests caught up and the steps per k."""
     phases = phase_of(records, concurrency)
     cells = []
     for phase in PHASES:
@@ -122,7 +128,8 @@ def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
     full = [r for r, p in zip(records, phases) if p == "full"]
     if full:
         cells.append(f"{statistics.median(r.seconds for r in full) * 1e3:.3f} / "
-                     f"{statistics.median(r.schedule for r in full) * 1e6:.0f}")
+                     f"{statistics.median(r.schedule for r in full) * 1e6:.0f} / "
+                     f"{statistics.median(r.faults for r in full):.0f}")
     else:
         cells.append("-")
     per_k = Counter(r.k for r in records if r.batch)
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
     table = Table(f"cell phases: {'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, "
                   f"{args.workload} prompts, {args.max_tokens} tokens per request; phase: steps / ms / tok/ms",
-                  ["MTP", "conc", "round", "probe ms", "out tok/s", "AL", *PHASES, "full lap ms / sched us",
+                  ["MTP", "conc", "round", "probe ms", "out tok/s", "AL", *PHASES, "full lap ms / sched us / faults",
                    "caught up", "steps per k"])
     with tempfile.TemporaryDirectory(prefix="mtpserve-cell-phases-") as tmp:
         engine = spec_matrix.build_engine(args, device, Path(tmp), max(concurrency), max_k)
