@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import host  # noqa: E402
 import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
 from common import Table  # noqa: E402
@@ -94,21 +95,6 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def host_probe() -> float:
-    """Milliseconds of a fixed piece of plain Python (dicts, lists, arithmetic: what a step's host work is
-    made of), the best of three."""
-    def work() -> int:
-        d = {i: i * 3 for i in range(20000)}
-        return sum(v for k, v in d.items() if k % 3) + len([str(i) for i in range(5000)])
-
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        work()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
-
-
 def phase_of(records: list[StepRecord], concurrency: int) -> list[str]:
     """Each step's phase (see the module's docstring)."""
     last_prompt = max((i for i, r in enumerate(records) if r.prompt_tokens), default=-1)
@@ -163,22 +149,23 @@ def main(argv: list[str] | None = None) -> int:
 
         spec_matrix.warm_up(lambda js, c, prefix: workloads.drive(engine, js, c, prefix), jobs, ks, cells,
                             args.max_tokens)
-        tracer = StepTracer(engine)
+        tracer, pinned = StepTracer(engine), []
         for c in concurrency:
             for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
+                pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in ks[r % len(ks):] + ks[: r % len(ks)]:
-                    probe = host_probe()
+                    probe = host.host_probe()
                     tracer.start()
                     run = workloads.drive(engine, jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}")
                     if k == spec_matrix.AUTO and engine.adaptive is not None:
                         print(f"auto c={c} round {r}: {spec_matrix.describe_auto(engine, c, args.temperature == 0)}")
-                    probes = f"{probe:.2f} / {host_probe():.2f}"
+                    probes = f"{probe:.2f} / {host.host_probe():.2f}"
                     table.add(f"MTP{k}", str(c), str(r), probes, run.tokens_per_s, run.spec.acceptance_length,
                               *phase_cells(tracer.records, c))
         engine.shutdown()
     common.report(args, "cell_phases", device, [table],
                   ["phases as in benchmarks/cell_phases.py's docstring; a step's time is the wall between two "
-                   "returns of LLMEngine.step, attributed to the step whose outputs the second returned"])
+                   "returns of LLMEngine.step, attributed to the step whose outputs the second returned", *pinned])
     return 0
 
 

@@ -7,7 +7,7 @@ picks and pinned to each core in turn.
 A step of the engine at high concurrency is host-bound (design §9), so a host whose speed moves moves
 every benchmark cell with it: on the H100 machine the same cell ran 1.5-2x slower from one cell to the
 next, every host phase alike (cell_phases.py's probe read ~2.6 or ~4.5 ms). This times the same probe
-(cell_phases.host_probe) back to back, unpinned, with the core each ran on, then pinned to each core in
+(host.host_probe) back to back, unpinned, with the core each ran on, then pinned to each core in
 turn; and prints what the kernel says of the cores (SMT siblings, frequency, steal time) where it says it.
 Diagnosis, no RESULTS section.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cell_phases import host_probe  # noqa: E402
+from host import host_probe  # noqa: E402
 
 
 def current_cpu() -> int:

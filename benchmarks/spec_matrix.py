@@ -55,6 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import host  # noqa: E402
 import workloads  # noqa: E402
 from common import Table, check, percentile  # noqa: E402
 
@@ -80,6 +81,7 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     """The matrix's own flags: which cells, which workload, which engine (cell_phases.py shares them)."""
     common.add_common_args(p)
     common.add_model_prompt_args(p)
+    host.add_pin_arg(p)
     p.add_argument("--prompt-lines", type=int, default=2)
     p.add_argument("--ks", default="0,1,2,3,4", help="draft counts, comma-separated; 'auto' adds the adaptive row")
     p.add_argument("--workload", choices=("text", "random"), default="text",
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             return matrix_jobs(args, prompts, k, n, max_tokens)
 
         warm_up(drive, jobs, ks, cells, args.max_tokens)
+        pinned = []
 
         workload = "random-token prompts" if args.workload == "random" else "text prompts"
         table = Table(f"spec matrix: {name}, {workload}, {args.max_tokens} tokens per request, "
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in concurrency:
             runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
             for r in range(args.repeats):  # each round starts at another k: no k always runs first
+                pinned.append(f"c={c} round {r}: {pin_driver(args, device)}")
                 for k in ks[r % len(ks):] + ks[: r % len(ks)]:
                     runs[k].append(drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}"))
             rows = {k: _cell(_median_run(runs[k]), k, c, args.max_tokens) for k in ks}
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
              + "; percentiles interpolated over requests"]
     if args.repeats > 1:
         notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in rotated order each round")
+    notes += pinned
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
     if paired and args.repeats > 1:
@@ -187,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
 Driver = Callable[[list[workloads.Job], int, str], workloads.Run]
 AUTO = "auto"
 Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
+
+
+def pin_driver(args: argparse.Namespace, device: torch.device) -> str:
+    """Pin the thread that drives the engine as --pin-cpu says (benchmarks/host.py), chosen again each round:
+    the cores' speeds move. Not on the CPU device (the model's threads would inherit one core) nor for a
+    server (its engine runs in another process)."""
+    if getattr(args, "grpc", None) or getattr(args, "http", None):
+        return "driving thread not pinned (a server's engine)"
+    if device.type != "cuda":
+        return "driving thread not pinned (CPU device: the model's threads need every core)"
+    return host.pin_cpu(args.pin_cpu)
 
 
 def matrix_jobs(args: argparse.Namespace, prompts: list[str] | list[list[int]], k: int | str, n: int,

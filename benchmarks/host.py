@@ -1,0 +1,67 @@
+"""The benchmark host's CPU: a plain-Python speed probe, and pinning the driving thread to one fast core.
+
+At high concurrency an engine step is host-bound (docs/design.md §9), so the core that runs the step loop
+sets a cell's speed. On the H100 machine the cores did not run alike: pinned in turn, six of sixteen took
+3.5-4.1 ms for the probe below and the rest 2.2-2.4 (benchmarks/host_speed.py, session U), and an unpinned
+process that moved between them ran the same cell up to 1.7x slower from one cell to the next; one process
+that stayed on one core ran the same cell within 1-3 % each time. `--pin-cpu auto` (spec_matrix.py,
+cell_phases.py) probes every core this process may use and pins the driving thread to the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def host_probe() -> float:
+    """Milliseconds of a fixed piece of plain Python (dicts, lists, ints, strings: what a step's host work is
+    made of), the best of three."""
+    def work() -> int:
+        d = {i: i * 3 for i in range(20000)}
+        return sum(v for k, v in d.items() if k % 3) + len([str(i) for i in range(5000)])
+
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return min(times)
+
+
+def core_speeds(rounds: int = 2) -> dict[int, float]:
+    """Per core this thread may run on, the median of `rounds` probes pinned to it (ms). Leaves the affinity
+    as it found it."""
+    cores = sorted(os.sched_getaffinity(0))
+    samples: dict[int, list[float]] = {cpu: [] for cpu in cores}
+    try:
+        for _ in range(rounds):
+            for cpu in cores:
+                os.sched_setaffinity(0, {cpu})
+                samples[cpu].append(host_probe())
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    return {cpu: statistics.median(t) for cpu, t in samples.items()}
+
+
+def add_pin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pin-cpu", default="auto",
+                   help="pin the thread that drives the engine to one core: 'auto' (the fastest by a plain-Python "
+                        "probe), a core number, or 'none'")
+
+
+def pin_cpu(choice: str) -> str:
+    """Pin the calling thread (threads it starts later inherit it) as --pin-cpu says; returns a note for the
+    results."""
+    if choice == "none" or not hasattr(os, "sched_setaffinity"):
+        return "driving thread not pinned"
+    if choice != "auto":
+        os.sched_setaffinity(0, {int(choice)})
+        return f"driving thread pinned to core {int(choice)} (probe {host_probe():.2f} ms)"
+    speeds = core_speeds()
+    best = min(speeds, key=speeds.__getitem__)
+    os.sched_setaffinity(0, {best})
+    return (f"driving thread pinned to core {best}, the fastest by a plain-Python probe ({speeds[best]:.2f} ms; "
+            f"{len(speeds)} cores {min(speeds.values()):.2f}-{max(speeds.values()):.2f} ms)")
