@@ -31,18 +31,22 @@ def host_probe() -> float:
     return min(times)
 
 
+# The cores the process was started with: once pin_cpu has pinned it, sched_getaffinity names one core only.
+ALLOWED_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def core_speeds(rounds: int = 2) -> dict[int, float]:
-    """Per core this thread may run on, the median of `rounds` probes pinned to it (ms). Leaves the affinity
-    as it found it."""
-    cores = sorted(os.sched_getaffinity(0))
-    samples: dict[int, list[float]] = {cpu: [] for cpu in cores}
+    """Per core the process was started with, the median of `rounds` probes pinned to it (ms). Leaves the
+    affinity as it found it."""
+    found = os.sched_getaffinity(0)
+    samples: dict[int, list[float]] = {cpu: [] for cpu in ALLOWED_CORES}
     try:
         for _ in range(rounds):
-            for cpu in cores:
+            for cpu in ALLOWED_CORES:
                 os.sched_setaffinity(0, {cpu})
                 samples[cpu].append(host_probe())
     finally:
-        os.sched_setaffinity(0, set(cores))
+        os.sched_setaffinity(0, found)
     return {cpu: statistics.median(t) for cpu, t in samples.items()}
 
 

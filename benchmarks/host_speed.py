@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import host  # noqa: E402
 from host import host_probe  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def over_time(seconds: float) -> None:
 
 
 def per_core(rounds: int, probes: int) -> None:
-    cores = sorted(os.sched_getaffinity(0))
+    cores = host.ALLOWED_CORES
     results: dict[int, list[float]] = defaultdict(list)
     for _ in range(rounds):
         for cpu in cores:

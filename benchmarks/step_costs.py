@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import host  # noqa: E402
 import workloads  # noqa: E402
 
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0)
+    host.add_pin_arg(p)
     args = p.parse_args(argv)
     device = common.pick_device(args.device)
     ks = common.parse_ks(args.ks)
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit("this model has no MTP modules: there is no adaptive speculation to look at")
         modes = engine.adaptive.costs.modes
         greedy, sampled = (np.round(modes[g].seeds[0] * 1e3, 3).tolist() for g in (True, False))
+        if device.type == "cuda":  # on the CPU the model's threads would inherit the one core
+            print(host.pin_cpu(args.pin_cpu))
         print(f"async scheduling {engine._async}; start-up graph seeds (ms, first bucket): greedy {greedy}, "
               f"sampled {sampled}")
         prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
