@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import host  # noqa: E402
 import workloads  # noqa: E402
 
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--python-profile", action="store_true",
                    help="also the top Python functions by cumulative time (cProfile; inflates host time)")
     p.add_argument("--python-sort", default="cumulative", help="pstats sort key of --python-profile (tottime, ...)")
+    host.add_pin_arg(p)
     p.add_argument("--python-filter", default="",
                    help="regex a listed function's file:line(name) must match (e.g. cluster/)")
     return p.parse_args(argv)
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                                         **({} if args.prefill_step_rows is None else
                                            {"prefill_step_rows": args.prefill_step_rows})))
         timer = PhaseTimer(engine)
+        if device.type == "cuda":  # on the CPU the model's threads would inherit the one core
+            print(host.pin_cpu(args.pin_cpu))
         prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
         for c in concurrency:
             for k in ks:

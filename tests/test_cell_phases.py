@@ -1,0 +1,46 @@
+"""benchmarks/cell_phases.py: a cell's steps, recorded as the engine runs them, and each put in its phase (the
+split the closed loop's ranking of k's was read from in session U)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mtpserve.cluster.engine import LLMEngine
+from mtpserve.cluster.engine_config import EngineConfig
+from mtpserve.sampling_params import SamplingParams
+from tests.conftest import prompts_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cell_phases  # noqa: E402
+import workloads  # noqa: E402
+
+
+def _record(batch: int, prompt: int = 0, catch_ups: int = 0) -> cell_phases.StepRecord:
+    return cell_phases.StepRecord(0.001, batch, prompt, batch, 2, catch_ups, 1e-4, 0)
+
+
+def test_each_step_gets_the_phase_of_its_kind() -> None:
+    steps = [_record(2, prompt=10), _record(4, prompt=3), _record(4), _record(3), _record(4, prompt=5),
+             _record(4, catch_ups=2), _record(4), _record(2), _record(1)]
+    assert cell_phases.phase_of(steps, 4) == ["prompt", "prompt", "full", "partial", "prompt", "catch-up", "full",
+                                              "drain", "drain"]
+
+
+def test_a_traced_cell_accounts_for_every_token_and_step(trained_ckpt: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(trained_ckpt), device="cpu", dtype="float32", max_num_seqs=2))
+    tracer = cell_phases.StepTracer(engine)
+    lengths = [12, 12, 12, 24]  # the last request decodes on alone: the cell drains
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=2))
+            for p, n in zip(prompts_of(64, [6, 7, 8, 9], seed=1), lengths)]
+    tracer.start()
+    run = workloads.drive(engine, jobs, 2, "cell")
+    records = tracer.records
+    assert len(records) == run.engine_steps
+    assert sum(r.tokens for r in records) == run.num_tokens == sum(lengths)
+    assert {r.k for r in records if r.batch} == {2}
+    assert all(r.batch <= 2 and r.seconds > 0 for r in records)
+    phases = cell_phases.phase_of(records, 2)
+    assert phases[0] == "prompt" and "full" in phases and phases[-1] == "drain"
+    cells = cell_phases.phase_cells(records, 2)
+    assert cells[-1] == f"2:{sum(1 for r in records if r.batch)}"
