@@ -44,6 +44,7 @@ import workloads  # noqa: E402
 from common import Table  # noqa: E402
 
 from mtpserve.boundary.messages import StepPlan  # noqa: E402
+from mtpserve.cluster import spec_chooser  # noqa: E402
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 
 PHASES = ("full", "partial", "prompt", "catch-up", "drain")
@@ -122,9 +123,36 @@ def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
     return cells + [str(sum(r.catch_ups for r in records)), " ".join(f"{k}:{n}" for k, n in sorted(per_k.items()))]
 
 
+class ChoiceTracer:
+    """Every k adaptive speculation chooses (spec_chooser.choose_k, wrapped in place): the step, what it priced
+    each k at and the tokens it expected, and the k it kept or took."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.lines: list[str] = []
+        scheduler, choose = engine.scheduler, spec_chooser.choose_k
+
+        def traced(gains: list[float], base: float, floor: int, cost: Any, current: int,
+                   hysteresis: float = 0.0) -> int:
+            k = choose(gains, base, floor, cost, current, hysteresis)
+            tokens = [base + sum(gains[:j]) for j in range(len(cost))]
+            ms = [float(c) * 1e3 for c in cost]
+            self.lines.append(f"step {scheduler.num_steps}: batch {len(scheduler.running)}+{len(scheduler.waiting)}, "
+                              f"k {current} -> {k}; cost ms {[round(c, 3) for c in ms]}, tokens "
+                              f"{[round(t, 1) for t in tokens]}, tok/ms {[round(t / c, 1) for t, c in zip(tokens, ms)]}")
+            return k
+
+        spec_chooser.choose_k = traced
+
+    def take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     spec_matrix.add_matrix_args(p)
+    p.add_argument("--trace-choices", action="store_true", help="print every choice of an auto cell: the cost and "
+                   "tokens the chooser saw per k")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency="4", max_tokens=16, min_requests=4)
     return args
@@ -150,13 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         spec_matrix.warm_up(lambda js, c, prefix: workloads.drive(engine, js, c, prefix), jobs, ks, cells,
                             args.max_tokens)
         tracer, pinned = StepTracer(engine), []
+        choices = ChoiceTracer(engine) if args.trace_choices else None
         for c in concurrency:
             for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in ks[r % len(ks):] + ks[: r % len(ks)]:
                     probe = host.host_probe()
+                    if choices is not None:
+                        choices.take()  # the warm-up's and the last cell's
                     tracer.start()
                     run = workloads.drive(engine, jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}")
+                    if choices is not None:
+                        print(f"choices of k={k} c={c} round {r}:", *choices.take(), sep="\n  ")
                     if k == spec_matrix.AUTO and engine.adaptive is not None:
                         print(f"auto c={c} round {r}: {spec_matrix.describe_auto(engine, c, args.temperature == 0)}")
                     probes = f"{probe:.2f} / {host.host_probe():.2f}"
