@@ -136,9 +136,10 @@ class ChoiceTracer:
             k = choose(gains, base, floor, cost, current, hysteresis)
             tokens = [base + sum(gains[:j]) for j in range(len(cost))]
             ms = [float(c) * 1e3 for c in cost]
+            rates = [round(t / c, 1) for t, c in zip(tokens, ms)]
             self.lines.append(f"step {scheduler.num_steps}: batch {len(scheduler.running)}+{len(scheduler.waiting)}, "
                               f"k {current} -> {k}; cost ms {[round(c, 3) for c in ms]}, tokens "
-                              f"{[round(t, 1) for t in tokens]}, tok/ms {[round(t / c, 1) for t, c in zip(tokens, ms)]}")
+                              f"{[round(t, 1) for t in tokens]}, tok/ms {rates}")
             return k
 
         spec_chooser.choose_k = traced
