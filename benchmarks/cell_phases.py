@@ -125,7 +125,8 @@ def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
 
 class ChoiceTracer:
     """Every k adaptive speculation chooses (spec_chooser.choose_k, wrapped in place): the step, what it priced
-    each k at and the tokens it expected, and the k it kept or took."""
+    each k at and the tokens it expected, and the k it kept or took (before AdaptiveSpec explores k - 1 or
+    probes k + 1)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.lines: list[str] = []
@@ -147,6 +148,23 @@ class ChoiceTracer:
     def take(self) -> list[str]:
         lines, self.lines = self.lines, []
         return lines
+
+
+def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, jobs: list[workloads.Job], c: int,
+          name: str, greedy: bool) -> list:
+    """Run one cell of c in flight, traced -> its row from `probe ms` on (printing its choices and auto's prices
+    when asked)."""
+    probe = host.host_probe()
+    if choices is not None:
+        choices.take()  # the warm-up's and the last cell's
+    tracer.start()
+    run = workloads.drive(engine, jobs, c, name.replace(" ", "-"))
+    if choices is not None:
+        print(f"choices of {name}:", *choices.take(), sep="\n  ")
+    if jobs[0].params.num_speculative_tokens == spec_matrix.AUTO and engine.adaptive is not None:
+        print(f"auto {name}: {spec_matrix.describe_auto(engine, c, greedy)}")
+    return [f"{probe:.2f} / {host.host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
+            *phase_cells(tracer.records, c)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,18 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in ks[r % len(ks):] + ks[: r % len(ks)]:
-                    probe = host.host_probe()
-                    if choices is not None:
-                        choices.take()  # the warm-up's and the last cell's
-                    tracer.start()
-                    run = workloads.drive(engine, jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}")
-                    if choices is not None:
-                        print(f"choices of k={k} c={c} round {r}:", *choices.take(), sep="\n  ")
-                    if k == spec_matrix.AUTO and engine.adaptive is not None:
-                        print(f"auto c={c} round {r}: {spec_matrix.describe_auto(engine, c, args.temperature == 0)}")
-                    probes = f"{probe:.2f} / {host.host_probe():.2f}"
-                    table.add(f"MTP{k}", str(c), str(r), probes, run.tokens_per_s, run.spec.acceptance_length,
-                              *phase_cells(tracer.records, c))
+                    row = _cell(engine, tracer, choices, jobs(k, cells[c], args.max_tokens), c,
+                                f"k={k} c={c} round {r}", args.temperature == 0)
+                    table.add(f"MTP{k}", str(c), str(r), *row)
         engine.shutdown()
     common.report(args, "cell_phases", device, [table],
                   ["phases as in benchmarks/cell_phases.py's docstring; a step's time is the wall between two "
