@@ -82,6 +82,10 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     common.add_common_args(p)
     common.add_model_prompt_args(p)
     host.add_pin_arg(p)
+    p.add_argument("--steady-host", type=float, default=0.15,
+                   help="where the driving thread is pinned, run a round again when its host probes spread by more "
+                        "than this fraction (max / min - 1)")
+    p.add_argument("--steady-retries", type=int, default=3, help="... at most this many times a round")
     p.add_argument("--prompt-lines", type=int, default=2)
     p.add_argument("--ks", default="0,1,2,3,4", help="draft counts, comma-separated; 'auto' adds the adaptive row")
     p.add_argument("--workload", choices=("text", "random"), default="text",
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             return matrix_jobs(args, prompts, k, n, max_tokens)
 
         warm_up(drive, jobs, ks, cells, args.max_tokens)
-        pinned = []
+        round_notes = []
 
         workload = "random-token prompts" if args.workload == "random" else "text prompts"
         table = Table(f"spec matrix: {name}, {workload}, {args.max_tokens} tokens per request, "
@@ -137,11 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                        *[f"acc@{j + 1}" for j in range(max_k)], "speedup", "vs best"])
         summary, paired, noise = [], [], []
         for c in concurrency:
-            runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
-            for r in range(args.repeats):  # each round starts at another k: no k always runs first
-                pinned.append(f"c={c} round {r}: {pin_driver(args, device)}")
-                for k in ks[r % len(ks):] + ks[: r % len(ks)]:
-                    runs[k].append(drive(jobs(k, cells[c], args.max_tokens), c, f"k{k}c{c}r{r}"))
+            runs, notes_of_c = measure_rounds(drive, jobs, ks, c, cells[c], args, device)
+            round_notes += notes_of_c
             rows = {k: _cell(_median_run(runs[k]), k, c, args.max_tokens) for k in ks}
             base = rows[0][0].tokens_per_s if 0 in rows else None
             best = max((rows[k][0].tokens_per_s for k in fixed), default=None)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
              + "; percentiles interpolated over requests"]
     if args.repeats > 1:
         notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in rotated order each round")
-    notes += pinned
+    notes += round_notes
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
     if paired and args.repeats > 1:
@@ -194,14 +195,46 @@ AUTO = "auto"
 Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
 
 
+def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[workloads.Job]], ks: list[int | str],
+                   c: int, n: int, args: argparse.Namespace, device: torch.device
+                   ) -> tuple[dict[int | str, list[workloads.Run]], list[str]]:
+    """--repeats rounds of every k's cell of n requests at concurrency c, the k's in rotated order (no k always runs
+    first) -> (runs per k, a note per round). Where the driving thread is pinned (pin_driver), each round pins it
+    again and times the host probe (benchmarks/host.py) before every cell and after the last; a round whose probes
+    spread by more than --steady-host runs again, up to --steady-retries times, so that the cells compared round by
+    round ran at one host speed (the H100 machine's cores change speed within a round, session U). The rounds are
+    judged by the probe alone, never by their tok/s."""
+    runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
+    notes = []
+    for r in range(args.repeats):
+        order = ks[r % len(ks):] + ks[: r % len(ks)]
+        for attempt in range(args.steady_retries + 1):
+            pin, probing = pin_driver(args, device), pinnable(args, device) and args.pin_cpu != "none"
+            got, probes = {}, []
+            for k in order:
+                probes += [host.host_probe()] if probing else []
+                got[k] = drive(jobs(k, n, args.max_tokens), c, f"k{k}c{c}r{r}a{attempt}")
+            probes += [host.host_probe()] if probing else []
+            if not probes or max(probes) <= (1 + args.steady_host) * min(probes):
+                break
+        spread = f"; host probe {min(probes):.2f}-{max(probes):.2f} ms" if probes else ""
+        notes.append(f"c={c} round {r}: {pin}{spread}" + (f" (attempt {attempt + 1})" if attempt else ""))
+        for k, run in got.items():
+            runs[k].append(run)
+    return runs, notes
+
+
+def pinnable(args: argparse.Namespace, device: torch.device) -> bool:
+    """Whether this process's thread drives the engine on a GPU: not for a server (its engine runs in another
+    process), nor on the CPU device (the model's threads would inherit the one core)."""
+    return device.type == "cuda" and not (getattr(args, "grpc", None) or getattr(args, "http", None))
+
+
 def pin_driver(args: argparse.Namespace, device: torch.device) -> str:
     """Pin the thread that drives the engine as --pin-cpu says (benchmarks/host.py), chosen again each round:
-    the cores' speeds move. Not on the CPU device (the model's threads would inherit one core) nor for a
-    server (its engine runs in another process)."""
-    if getattr(args, "grpc", None) or getattr(args, "http", None):
-        return "driving thread not pinned (a server's engine)"
-    if device.type != "cuda":
-        return "driving thread not pinned (CPU device: the model's threads need every core)"
+    the cores' speeds move. Returns a note for the results."""
+    if not pinnable(args, device):
+        return "driving thread not pinned (a server's engine, or the CPU device, whose model threads need every core)"
     return host.pin_cpu(args.pin_cpu)
 
 

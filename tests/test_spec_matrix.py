@@ -1,12 +1,15 @@
-"""benchmarks/spec_matrix.py's noise figure: how much "the best fixed k" reads high when every k is as fast,
-given how much a cell's runs move between rounds (issue 11's auto / best is read against it)."""
+"""benchmarks/spec_matrix.py's noise figure (how much "the best fixed k" reads high when every k is as fast, given
+how much a cell's runs move between rounds: issue 11's auto / best is read against it), and its rounds, run again
+where the host changed speed during one."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import spec_matrix  # noqa: E402
@@ -26,3 +29,38 @@ def test_the_best_of_five_equal_cells_reads_high_by_their_spread() -> None:
 def test_one_cell_has_nothing_to_pick_from() -> None:
     spread, excess = spec_matrix._noise([[90.0, 100.0, 110.0]])
     assert spread == pytest.approx(0.14826) and abs(excess) < 0.01
+
+
+def _rounds(probes: list[float], retries: int) -> tuple[dict, list[str], list[str]]:
+    """measure_rounds over a driver that records each cell it runs, the host probe reading `probes` in turn."""
+    ran: list[str] = []
+
+    def drive(jobs: list, c: int, prefix: str) -> str:
+        ran.append(prefix)
+        return prefix
+
+    args = argparse.Namespace(repeats=2, steady_retries=retries, steady_host=0.15, max_tokens=4, pin_cpu="auto",
+                              grpc=None, http=None)
+    readings = iter(probes)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_matrix, "pinnable", lambda *_: True)
+        mp.setattr(spec_matrix.host, "pin_cpu", lambda choice: "driving thread pinned to core 3")
+        mp.setattr(spec_matrix.host, "host_probe", lambda: next(readings))
+        runs, notes = spec_matrix.measure_rounds(drive, lambda k, n, t: [], [0, "auto"], 8, 16, args,
+                                                 torch.device("cuda"))
+    return runs, notes, ran
+
+
+def test_a_round_whose_host_changed_speed_runs_again() -> None:
+    steady, slowed = [2.5, 2.6, 2.5], [2.5, 4.2, 4.3]  # probes before each of the two cells and after the last
+    runs, notes, ran = _rounds(slowed + steady + steady, retries=3)
+    assert ran == ["k0c8r0a0", "kautoc8r0a0", "k0c8r0a1", "kautoc8r0a1", "kautoc8r1a0", "k0c8r1a0"]
+    assert runs == {0: ["k0c8r0a1", "k0c8r1a0"], "auto": ["kautoc8r0a1", "kautoc8r1a0"]}
+    assert "attempt 2" in notes[0] and "2.50-2.60 ms" in notes[0] and "attempt" not in notes[1]
+
+
+def test_a_round_runs_at_most_its_retries_again() -> None:
+    slowed = [2.5, 4.2, 4.3]
+    runs, notes, ran = _rounds(slowed * 2 + [2.5, 2.5, 2.5], retries=1)
+    assert runs[0] == ["k0c8r0a1", "k0c8r1a0"] and len(ran) == 6
+    assert "2.50-4.30 ms (attempt 2)" in notes[0]
