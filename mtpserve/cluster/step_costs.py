@@ -4,9 +4,9 @@ A step costs the host H (schedule, launch, postprocess) and the device D_k (the 
 overlapped steps the batch pays max(H, D_k) per step; run one after the other, H + D_k. The two are
 kept apart because they behave differently:
 
-* D_k depends on k and hardly moves: per cell, the lower median of its last `cost_window` samples
-  (CUDA events around the step on the device; the time inside the executor where it runs serially),
-  seeded at start-up by timing the captured graphs, and estimated where neither exists.
+* D_k depends on k and hardly moves (DeviceCosts, device_costs.py): per cell, the lower median of its last
+  `cost_window` samples (CUDA events around the step on the device; the time inside the executor where it
+  runs serially), seeded at start-up by timing the captured graphs, and estimated where neither exists.
 * H moves with the host (on the H100's host one op's time moved 2x inside one run) and grows with the
   tokens a step emits (postprocessing is per token: at c = 8 on the H100, 0.73 ms at k = 0 and 1.25 ms
   at k = 4) and with k itself (work per KV group). Per bucket, a line H / batch = a + b * tokens / batch
@@ -26,130 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mtpserve.cluster.device_costs import DeviceCosts, lower_median, plain_median
 from mtpserve.workers.cuda_graphs import batch_buckets
-
-
-class DeviceCosts:
-    """Device seconds of a decode step per (batch bucket, k), for batches of one sampling mode.
-
-    Cells: the lower median of recent samples, not an average: steps are stretched now and then (a GC
-    pause, the OS) and a few end early, and the median ignores any minority of them at once where an
-    average clipped to 1.5x of itself recovered from one bad first sample by a few percent a step.
-    Start-up seeds (a captured graph's replay) are kept apart from measured cells: where a bucket has
-    both at some k, its seeds are moved by their mean difference (the measured step also holds its
-    copies), so that a seeded k is compared with a measured one on the same footing. A k neither
-    measured nor seeded lies on the bucket's least-squares line through its known k (two or more), else
-    on 1 + s k scaled to its one known cost, s being the median relative slope of the buckets that have
-    a line (`per_draft_cost` before any).
-
-    A measurement only marks what it changes: the bucket's row, or the whole table (the fitted slope)
-    when a cell without a seed is first measured and every `REFIT` samples after; `row` estimates what is
-    marked when the chooser asks (once per dwell, not every step). Between refits a row's measured cells
-    follow their samples and its estimated ones hold. A step's sample, a row's update and the whole table's
-    refit are plain Python over a few floats: inside the engine each numpy call on the chooser's cold path cost
-    5-8 us (a full choice about 1 ms on the 2-core CPU, against 0.5 ms in a loop).
-    """
-
-    REFIT = 256  # a refit is about as costly as the rest of a full choice: every 32 samples it was every 4th
-
-    def __init__(self, max_k: int, sizes: list[int], window: int, per_draft_cost: float) -> None:
-        self.window, self.per_draft_cost = window, per_draft_cost
-        self._sizes = sizes  # each bucket's batch size
-        buckets = range(len(sizes))
-        self._seeds = [[math.nan] * (max_k + 1) for _ in buckets]  # start-up timings
-        self._recent = [[deque(maxlen=window) for _ in range(max_k + 1)] for _ in buckets]  # each cell's last samples
-        self._counts = [[0] * (max_k + 1) for _ in buckets]
-        self._count = 0
-        self._slope = per_draft_cost
-        self._table: list[list[float]] = self._estimate(self._known_table())
-        self._stale = [False] * len(buckets)  # rows of _table to estimate again
-        self._refit = False  # the slope and every row
-
-    @property
-    def seeds(self) -> np.ndarray:
-        """[buckets, K + 1] start-up timings (NaN: none)."""
-        return np.array(self._seeds)
-
-    @property
-    def samples(self) -> np.ndarray:
-        """[buckets, K + 1] samples taken per cell."""
-        return np.array(self._counts)
-
-    @property
-    def known(self) -> bool:
-        """Whether any cell was measured or seeded."""
-        return self._count > 0 or any(s == s for row in self._seeds for s in row)  # s == s: not NaN
-
-    def observe(self, b: int, k: int, device: float) -> None:
-        cell = self._recent[b][k]
-        if not cell:
-            # A first sample of a seeded cell changes no estimate (the seed stood for it): its row is re-read only.
-            # On the GPU every cell is seeded, and a closed loop's drain measured a new cell in each small bucket
-            # it passed through: a refit each, up to 5 ms a full choice on the H100's host (run 175).
-            self._refit |= self._seeds[b][k] != self._seeds[b][k]  # NaN: no seed
-        cell.append(device)
-        self._counts[b][k] += 1
-        self._count += 1
-        self._refit |= self._count % self.REFIT == 0
-        self._stale[b] = True
-
-    def seed(self, b: int, k: int, seconds: float) -> None:
-        self._seeds[b][k] = seconds
-        self._refit = True
-
-    def timed(self, b: int, k: int) -> bool:
-        return bool(self._recent[b][k]) or self._seeds[b][k] == self._seeds[b][k]
-
-    def row(self, b: int) -> list[float]:
-        """[K + 1] seconds at each k in bucket b (estimated where not measured)."""
-        if self._refit:
-            known = self._known_table()
-            # The estimate is drawn with the slope of the refit before, as it always was (a tuple assignment
-            # hid the order); drawn with the new one it changes the chooser's choices, not yet measured on a GPU.
-            self._table, self._refit = self._estimate(known), False
-            self._slope = self.slope(known)
-            self._stale = [False] * len(self._sizes)
-        elif self._stale[b]:
-            known_row = self._known_row(b)
-            self._table[b] = [t if x != x else x for t, x in zip(self._table[b], known_row)]
-            self._stale[b] = False
-        return self._table[b]
-
-    def slope(self, known: list[list[float]]) -> float:
-        """Relative extra device cost per draft (b / a of cost = a + b k) in the known table [buckets][K + 1], the
-        median over the buckets where two or more k are known; the configured prior before that."""
-        rel = [b / a for a, b, n in map(_line_fit, known) if n >= 2 and a > 0]
-        return min(max(_median(rel), 0.0), 10.0) if rel else self.per_draft_cost
-
-    def _known_row(self, b: int) -> list[float]:
-        """Bucket b's [K + 1]: the lower median of each measured cell's recent samples, else its seed moved by
-        the bucket's mean (measured - seed) over the cells that have both; NaN elsewhere."""
-        medians = [_lower_median(cell) if cell else math.nan for cell in self._recent[b]]
-        seeds = self._seeds[b]
-        moved = [m - d for m, d in zip(medians, seeds) if m == m and d == d]  # x == x: not NaN
-        offset = sum(moved) / len(moved) if moved else 0.0
-        return [d + offset if m != m else m for m, d in zip(medians, seeds)]
-
-    def _known_table(self) -> list[list[float]]:
-        return [self._known_row(b) for b in range(len(self._sizes))]
-
-    def _estimate(self, known_all: list[list[float]]) -> list[list[float]]:
-        """Known where known (known_all [buckets][K + 1], NaN elsewhere); elsewhere the bucket's own line through
-        its known k (two or more), else 1 + slope * k scaled to its one known cost, or to the nearest bucket's
-        level where it knows none (device time grows slowly with the batch; unscaled where no bucket knows any).
-        Plain Python over the table's few dozen cells (numpy's calls cost a refit 0.6-0.9 ms inside the engine
-        on the 2-core CPU)."""
-        slope, sizes = self._slope, self._sizes
-        some = [b for b, row in enumerate(known_all) if any(x == x for x in row)]  # x == x: not NaN
-        table = []
-        for b, row in enumerate(known_all):
-            a, per_draft, n = _line_fit(row)
-            if n < 2:  # no line of its own: the level of its nearest bucket with a known k (itself where it has one)
-                near = known_all[min(some, key=lambda c: abs(math.log(sizes[b] / sizes[c])))] if some else []
-                level = max((x / (1.0 + slope * k) for k, x in enumerate(near) if x == x), default=1.0)
-                a, per_draft = level, level * slope
-            table.append([a + per_draft * k if x != x else x for k, x in enumerate(row)])
-        return table
 
 
 class StepCosts:
@@ -232,7 +110,7 @@ class StepCosts:
         """Seconds a device-bound overlapped step of this batch's bucket lasts beyond its device share: the
         nearest bucket's where its own has no such lap (0 before any)."""
         sampled = [b for b, n in enumerate(self.gap_samples) if n]
-        return _median(self.gap_recent[self._nearest(sampled, self.bucket(batch))]) if sampled else 0.0
+        return plain_median(self.gap_recent[self._nearest(sampled, self.bucket(batch))]) if sampled else 0.0
 
     def gaps(self, batch: int) -> np.ndarray:
         """[K + 1] the gap priced at each k: the bucket's (see gap), except 0 at a k whose recent laps in the
@@ -330,8 +208,8 @@ class StepCosts:
             self._slopes[b] = self._fit_slopes(b, newest)
             self._fitted_at[b] = count
         slope, per_draft = self._slopes[b]
-        level = _lower_median([s - slope * e - per_draft * k for s, e, k in newest])
-        return level * batch, slope, max(per_draft, 0.0), _lower_median([s for s, _, _ in newest]) * batch
+        level = lower_median([s - slope * e - per_draft * k for s, e, k in newest])
+        return level * batch, slope, max(per_draft, 0.0), lower_median([s for s, _, _ in newest]) * batch
 
     def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float]:
         """(b, c) of bucket b's host line: drawn from its window, bounded by its newest samples (per request: host
@@ -341,39 +219,25 @@ class StepCosts:
         # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
         # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
-        slope, per_draft = _host_slopes(seconds, emitted, ks, _median(seconds), self.host_slopes[b])
+        slope, per_draft = _host_slopes(seconds, emitted, ks, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         self.host_draft_slopes[b] = per_draft = self.host_draft_slopes[b] if per_draft is None else per_draft
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
-        slope = min(slope, _median([s / max(e, 1e-9) for s, e, _ in newest]))
+        slope = min(slope, plain_median([s / max(e, 1e-9) for s, e, _ in newest]))
         drafted = [(s - slope * e) / k for s, e, k in newest if k > 0]
         if drafted:
-            per_draft = min(per_draft, _median(drafted))
+            per_draft = min(per_draft, plain_median(drafted))
         # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
         # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
         # at c = 8 and 0.54 at T = 1, c = 256). A window of one k cannot tell the level from the slopes, and
         # one that put nearly all of a greedy c = 128 step's host in its tokens and drafts priced k = 4 at
         # 5.8x k = 0: auto ran k = 0, then caught up all 128 requests (run 143).
-        saved = _median([(slope * max(e - 1.0, 0.0) + per_draft * k) / max(s, 1e-12) for s, e, k in newest])
+        saved = plain_median([(slope * max(e - 1.0, 0.0) + per_draft * k) / max(s, 1e-12) for s, e, k in newest])
         if saved > 1.0 - self.HOST_KEPT:
             scale = (1.0 - self.HOST_KEPT) / saved
             slope, per_draft = slope * scale, per_draft * scale
         return slope, per_draft
-
-
-def _lower_median(values: Sequence[float] | np.ndarray) -> float:
-    """The lower median of a few values (the middle one of an odd count)."""
-    ordered = sorted(values.tolist() if isinstance(values, np.ndarray) else values)
-    return float(ordered[(len(ordered) - 1) // 2])
-
-
-def _median(values: Sequence[float] | np.ndarray) -> float:
-    """The median of a few values without NaNs: sorted in Python, not np.median, whose checks and wrappers
-    were most of its cost (about 25 us on the 2-core CPU; a full choice takes several)."""
-    ordered = sorted(values.tolist() if isinstance(values, np.ndarray) else values)
-    n, mid = len(ordered), len(ordered) // 2
-    return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
 def _host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float) -> float | None:
@@ -417,15 +281,3 @@ def _host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence
     mean_rest, mean_k = sum(r for r, _ in rest) / len(rest), sum(k for _, k in rest) / len(rest)
     c = max(sum((k - mean_k) * (r - mean_rest) for r, k in rest) / sum((k - mean_k) ** 2 for _, k in rest), 0.0)
     return (None, None) if mean_rest - c * mean_k < 0 else (b, c)
-
-
-def _line_fit(seconds: list[float]) -> tuple[float, float, int]:
-    """Least squares cost = a + b k through the known (non-NaN) entries of one row, b >= 0 (a step never gets
-    cheaper with more drafts): (a, b, number of known entries)."""
-    points = [(k, y) for k, y in enumerate(seconds) if y == y]  # y == y: not NaN
-    n = len(points)
-    sx, sy = sum(k for k, _ in points), sum(y for _, y in points)
-    sxx, sxy = sum(k * k for k, _ in points), sum(k * y for k, y in points)
-    den = n * sxx - sx * sx
-    b = max((n * sxy - sx * sy) / den, 0.0) if den > 0 else 0.0
-    return ((sy - b * sx) / n if n else 1.0), b, n

@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from mtpserve.cluster.device_costs import DeviceCosts, _line_fit
 from mtpserve.cluster.spec_chooser import choose_k
-from mtpserve.cluster.step_costs import DeviceCosts, StepCosts, _host_slope, _host_slopes, _line_fit
+from mtpserve.cluster.step_costs import StepCosts, _host_slope, _host_slopes
 
 K = 4
 
