@@ -5,7 +5,8 @@ sets a cell's speed. On the H100 machine the cores did not run alike: pinned in 
 3.5-4.1 ms for the probe below and the rest 2.2-2.4 (benchmarks/host_speed.py, session U), and an unpinned
 process that moved between them ran the same cell up to 1.7x slower from one cell to the next; one process
 that stayed on one core ran the same cell within 1-3 % each time. `--pin-cpu auto` (spec_matrix.py,
-cell_phases.py) probes every core this process may use and pins the driving thread to the fastest.
+cell_phases.py, step_costs.py, engine_profile.py) probes every core this process started with and pins the
+driving thread to the fastest.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ def steal_jiffies() -> int:
 
 
 def describe_cores() -> None:
+    """What the kernel says of the cores: SMT siblings, frequency scaling, model and clock."""
     for what, path in (("SMT siblings of cpu0", "/sys/devices/system/cpu/cpu0/topology/thread_siblings_list"),
                        ("scaling governor", "/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")):
         try:
