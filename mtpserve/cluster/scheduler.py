@@ -169,13 +169,10 @@ class Scheduler:
                     return None  # step in flight has yet to advance, so the engine drains first
             left = req.tokens_left - ahead  # at the worst: every draft in flight accepted
             # Near max_tokens a step verifies at most tokens_left - 1 drafts, which the count in flight decides:
-            # a sampled request sits this step out rather than verify fewer drafts than a synchronous step
-            # would, since a seeded sample depends on how many drafts each step verifies (CUDA's overlapped
-            # steps gave other seeded outputs than the CPU's synchronous ones). A greedy token does not: it is
-            # the target's argmax whatever was drafted, so a greedy request verifies the drafts the worst case
-            # leaves room for instead of losing the step.
-            short = ahead and left - 1 < min(made, spec) and not req.params.greedy
-            if short or left < 1 or budget < 1:
+            # the request sits this step out rather than verify fewer drafts than a synchronous step would,
+            # since a seeded sample depends on how many drafts each step verifies (CUDA's overlapped steps
+            # gave other seeded outputs than the CPU's synchronous ones).
+            if (ahead and left - 1 < min(made, spec)) or left < 1 or budget < 1:
                 continue
             d = max(0, min(made, spec, budget - 1, left - 1))
             wanted.append((req, ahead, d, spec))

@@ -117,37 +117,3 @@ def test_an_overlapped_plan_dropped_for_lack_of_blocks_allocates_none() -> None:
     assert blocks.tables == {} and all(pool.num_free == 4 for pool in blocks.pools)
     grown = blocks.allocate_all([("a", [8, 8]), ("b", [8, 4])])
     assert [[len(g) for g in per_request] for per_request in grown] == [[2, 2], [2, 1]]
-
-
-def _steps_emitting(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list]:
-    """Per request, its tokens and the engine steps (by index) whose outputs carried tokens of it, from its first
-    token to its last."""
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
-    steps: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    step = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.new_token_ids:
-                steps[o.request_id].append(step)
-                tokens[o.request_id] += o.new_token_ids
-        step += 1
-    return {rid: [tokens[rid], s] for rid, s in steps.items()}
-
-
-def test_a_greedy_request_near_max_tokens_verifies_fewer_drafts_instead_of_sitting_out(trained_ckpt: Path) -> None:
-    """Overlapped, a step is planned before the one in flight says how many of its drafts were accepted. Near
-    max_tokens a sampled request then sits a step out (a seeded sample depends on how many drafts each step
-    verifies); a greedy one verifies as many drafts as the worst case leaves room for, and emits in every step
-    to its last: the same tokens as a synchronous engine, in no more steps."""
-    prompts = prompts_of(64, [6, 9], seed=3)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (23, 60)]
-    sync = LLM(str(trained_ckpt), num_speculative_tokens=4, dtype="float32").generate(prompts, params)
-    llm = LLM(str(trained_ckpt), num_speculative_tokens=4, async_scheduling=True, dtype="float32")
-    seen = _steps_emitting(llm.engine, prompts, params)
-    assert [seen[str(i)][0] for i in range(2)] == [o.token_ids for o in sync]
-    short = seen["0"][1]  # the request that ends while the other keeps the pipeline full
-    assert short == list(range(short[0], short[0] + len(short))), short
-    assert llm.engine.spec.acceptance_length > 3.0  # drafts were mostly accepted: the worst case bit
-    assert llm.engine.blocks.all_free
