@@ -67,7 +67,7 @@ class StepTracer:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.records: list[StepRecord] = []
-        self._engine, self._last_k, self._t = engine, 0, 0.0
+        self._last_k, self._t = 0, 0.0
         runner = getattr(engine.executor, "runner", None)
         self._catch_ups = lambda: getattr(runner, "num_catch_ups", 0)
         step, postprocess = engine.step, engine._postprocess

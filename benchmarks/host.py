@@ -36,19 +36,24 @@ def host_probe() -> float:
 ALLOWED_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
-def core_speeds(rounds: int = 2) -> dict[int, float]:
-    """Per core the process was started with, the median of `rounds` probes pinned to it (ms). Leaves the
-    affinity as it found it."""
+def core_samples(rounds: int, probes: int = 1) -> dict[int, list[float]]:
+    """Per core the process was started with, `probes` probes pinned to it in each of `rounds` passes over the
+    cores (ms). Leaves the affinity as it found it."""
     found = os.sched_getaffinity(0)
     samples: dict[int, list[float]] = {cpu: [] for cpu in ALLOWED_CORES}
     try:
         for _ in range(rounds):
             for cpu in ALLOWED_CORES:
                 os.sched_setaffinity(0, {cpu})
-                samples[cpu].append(host_probe())
+                samples[cpu] += [host_probe() for _ in range(probes)]
     finally:
         os.sched_setaffinity(0, found)
-    return {cpu: statistics.median(t) for cpu, t in samples.items()}
+    return samples
+
+
+def core_speeds(rounds: int = 2) -> dict[int, float]:
+    """Per core the process was started with, the median of `rounds` probes pinned to it (ms)."""
+    return {cpu: statistics.median(t) for cpu, t in core_samples(rounds).items()}
 
 
 def add_pin_arg(p: argparse.ArgumentParser) -> None:

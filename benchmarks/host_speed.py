@@ -15,7 +15,6 @@ Diagnosis, no RESULTS section.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import host  # noqa: E402
-from host import host_probe  # noqa: E402
 
 
 def current_cpu() -> int:
@@ -68,7 +66,7 @@ def over_time(seconds: float) -> None:
     t_end, t0, steal0 = time.perf_counter() + seconds, time.perf_counter(), steal_jiffies()
     per_second: dict[int, list[tuple[float, int]]] = defaultdict(list)
     while time.perf_counter() < t_end:
-        ms = host_probe()
+        ms = host.host_probe()
         per_second[int(time.perf_counter() - t0)].append((ms, current_cpu()))
     for second, samples in sorted(per_second.items()):
         times = [ms for ms, _ in samples]
@@ -80,16 +78,8 @@ def over_time(seconds: float) -> None:
 
 
 def per_core(rounds: int, probes: int) -> None:
-    cores = host.ALLOWED_CORES
-    results: dict[int, list[float]] = defaultdict(list)
-    for _ in range(rounds):
-        for cpu in cores:
-            os.sched_setaffinity(0, {cpu})
-            results[cpu] += [host_probe() for _ in range(probes)]
-    os.sched_setaffinity(0, set(cores))
     print("  core: probe median ms (min - max)")
-    for cpu in cores:
-        t = results[cpu]
+    for cpu, t in host.core_samples(rounds, probes).items():
         print(f"  {cpu:4d}: {statistics.median(t):.2f} ({min(t):.2f} - {max(t):.2f})")
 
 

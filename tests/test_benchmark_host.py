@@ -13,7 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import host  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"),
+                                reason="os.sched_setaffinity exists on Linux only: no core to pin to here")
 
 
 @pytest.fixture(autouse=True)
