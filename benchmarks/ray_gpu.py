@@ -71,11 +71,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8", help="requests in flight per timed cell, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-requests", type=int, default=8, help="requests per timed cell: max(this, 2 x conc)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"configurations to run, comma-separated, of: {', '.join(CONFIGS)} (the first is the reference)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="EngineConfig.startup_timeout_s: bounds a hung NCCL start or first step, so the "
                         "other configurations still run within the time budget")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, max_tokens=8, concurrency="1")
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     return args
 
 
@@ -94,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     check(modules > 0 or max(ks) == 0, f"{model} has no MTP modules: use --ks 0")
     cells = {c: max(args.min_requests, 2 * c) for c in concurrency}
     prompts = workloads.get_prompts("stdlib", max(cells.values()), 2)
-    skipped = {name: why for name, why in ((n, _skip_reason(n, device, modules)) for n in CONFIGS) if why}
-    queue = [(name, overrides) for name, (overrides, _gpus) in CONFIGS.items() if name not in skipped]
+    skipped = {name: why for name, why in ((n, _skip_reason(n, device, modules)) for n in args.configs) if why}
+    queue = [(name, CONFIGS[name][0]) for name in args.configs if name not in skipped]
     for name, why in skipped.items():
         print(f"=== {name}: skipped, {why}")
     outcomes: dict[str, Outcome] = {}

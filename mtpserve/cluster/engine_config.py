@@ -42,10 +42,11 @@ class EngineConfig:
     drafter_devices: int = 0  # 0 = drafter colocated with target rank 0
     use_ray: bool = False
     seed: int = 0
-    cuda_graphs: bool = True  # replay whole uniform steps (or, with a drafter group, the target) as CUDA graphs
+    cuda_graphs: bool = True  # replay whole uniform steps (a drafter group's ranks their parts) as CUDA graphs
     capture_graphs_at_start: bool = True  # k=0 and the default k, every batch bucket; False: on first use only
     prefill_step_rows: int = 4096  # prompt chunks run as fixed-shape (graphed) steps up to this many padded rows; 0: off
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
+    pad_uniform_steps: bool | None = None  # pad them to batch buckets; None = where CUDA graphs run (tests: True)
     async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA
     enable_prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes, in every KV group
     # Ray deployment (tensor_parallel_size > 1, drafter_devices > 0 or use_ray):
@@ -155,6 +156,7 @@ class ResolvedConfig:
         return RunnerConfig(self.num_blocks, c.block_size, c.max_num_seqs, self.num_mtp_modules, c.mtp_chain,
                             c.draft_top_m, cuda_graphs=c.cuda_graphs,
                             max_model_len=self.max_model_len, uniform_steps=c.uniform_steps,
+                            pad_uniform_steps=c.pad_uniform_steps,
                             capture_at_start=self._captured_at_start() if c.capture_graphs_at_start else (),
                             prefill_step_rows=c.prefill_step_rows)
 

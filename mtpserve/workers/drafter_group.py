@@ -26,6 +26,8 @@ request back to the general path but its re-admission (preemption, recovery), wh
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -33,13 +35,14 @@ from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.device import Staging
 from mtpserve.workers.drafter import Drafter, TargetRows
+from mtpserve.workers.drafter_graphs import DrafterSteps, KeptDelivery
 from mtpserve.workers.group_links import (GroupChainLink, Topology, UniformGroupLink, draft_buffers, recv, send,
                                           unpack_drafts)
 from mtpserve.workers.kv_cache import layer_pool
 from mtpserve.workers.model_runner import RunnerConfig
 from mtpserve.workers.models.config import ModelConfig
 from mtpserve.workers.models.loader import LoadedModel
-from mtpserve.workers.slot_state import StateDiffs, device_state
+from mtpserve.workers.slot_state import SamplingFlags, StateDiffs, device_state
 from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, apply_plan, at_frontier, record_emitted,
                                     subset)
 from mtpserve.workers.uniform_batch import UniformBatch, UniformBatches
@@ -111,13 +114,24 @@ class DrafterRunner:
                                config.draft_top_m, cfg.vocab_size, link)
         self.diffs: StateDiffs | None = None
         self.chain: UniformChain | None = None  # the uniform step's chain (None: every step takes the general path)
+        # A rank that holds every module runs the chain at fixed shapes (graphs on a GPU, drafter_graphs.py); with
+        # several drafter ranks the chain changes hands inside a step and runs eagerly at the batch's size.
+        self.steps: DrafterSteps | None = None
+        self.staging = Staging(device)
         if config.uniform_steps:
             max_len = config.max_model_len or cfg.max_position
             self.state, self.diffs = device_state(config.max_num_seqs, 1 + modules, max_len, config.block_size,
                                                   cfg.vocab_size, device)
+            kept = KeptDelivery() if topo.drafters == 1 else None
             self.chain = UniformChain(model.mtp, embed, head, kv, self.slots, self.state, config.chain_mode,
-                                      config.draft_top_m, modules, UniformGroupLink(topo, rank, config.draft_top_m))
-        self.staging = Staging(device)
+                                      config.draft_top_m, modules,
+                                      kept or UniformGroupLink(topo, rank, config.draft_top_m))
+            if kept is not None:
+                self.steps = DrafterSteps(self.chain, kept, self.state, self.slots, self.staging, config.max_num_seqs,
+                                          cfg.hidden_size, dtype, device, config.cuda_graphs, config.pad_uniform_steps)
+                if self.steps.use_graphs:  # the target captures the same shapes at start
+                    self.steps.capture_all([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
+                                            for k in config.capture_at_start for greedy in (True, False)])
         self.batches = UniformBatches(cfg.vocab_size)
         self.requests: dict[str, CachedRequest] = {}
         self._device_only: set[str] = set()  # requests whose host view stopped (module docstring)
@@ -138,35 +152,40 @@ class DrafterRunner:
         uniform = self._take_uniform(*subset(reqs, plan, fast, True)) if any(fast) else None
         general = self._take_general(*subset(reqs, plan, fast, False)) if not all(fast) else None
         if uniform is not None:
-            self._run_uniform(*uniform)
+            uniform()
+            self.num_uniform_steps += 1
         if general is not None:
             self.drafter.run(*general)
 
-    def _take_uniform(self, reqs: list[CachedRequest], plan: StepPlan
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StepShape]:
-        """The uniform part's inputs: its slots (with the state diffs: one copy), the packed result and, on
-        module 0's owner, the rows module 0 reads."""
+    def _take_uniform(self, reqs: list[CachedRequest], plan: StepPlan) -> Callable[[], None]:
+        """Take in the uniform part's inputs now (every input of a step comes in before anything is sent): its
+        slots (with the state diffs: one copy), the packed result and, on module 0's owner, the rows module 0
+        reads. -> what runs the part."""
         batch = self.batches.of(reqs, plan.req_ids)
         if batch is not self._last_batch:  # a new batch: its requests' host view stops here
             self._device_only.update(batch.req_ids)
             self._last_batch = batch
         shape = StepShape.of(reqs, plan, batch.flags, self.config.num_mtp_modules)
+        if self.steps is not None:
+            steps, tp = self.steps, self.topo.tp
+            static, r = steps.take(batch.slots, shape, self.diffs)
+            return lambda: steps.run(static, r, shape, tp)
         slots = self.state.upload(self.staging, batch.slots, self.diffs)
         packed = recv([torch.empty(len(reqs), 1 + shape.window, dtype=torch.long, device=self.device)], 0)[0]
         rows = None
         if shape.chain and self.topo.owner(0) == self.rank:
             rows = recv([torch.empty(len(reqs), shape.window, self.hidden, dtype=self.dtype, device=self.device)], 0)[0]
-        return slots, packed, rows, shape
+        return lambda: self._run_uniform(slots, packed, rows, shape)
 
     def _run_uniform(self, slots: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor | None,
                      shape: StepShape) -> None:
-        """Commit the target's result to the device state, then this rank's part of the chain."""
+        """Commit the target's result to the device state, then this rank's part of the chain (eagerly, at the
+        batch's own size)."""
         accepted, tokens = packed[:, 0], packed[:, 1:]
         seq_len = self.state.seq_len[slots]
         frontier = commit(self.state, self.slots, slots, seq_len, accepted, tokens, shape.flags)
         if shape.chain:
             self.chain(slots, seq_len, frontier, accepted, tokens, rows, shape, self.state.sampling(slots, shape.flags))
-        self.num_uniform_steps += 1
 
     def _take_general(self, reqs: list[CachedRequest], plan: StepPlan
                       ) -> tuple[list[CachedRequest], list[bool], TargetRows] | None:
@@ -193,6 +212,11 @@ class DrafterRunner:
     def submit(self, plan: StepPlan) -> None:
         """A launched (overlapped) step: as `execute`, a drafter rank hands nothing back to the driver."""
         self.execute(plan)
+
+    @property
+    def num_graph_replays(self) -> int:
+        """Uniform parts replayed from CUDA graphs (tests read it)."""
+        return self.steps.replays if self.steps is not None else 0
 
     def finish_step(self) -> None:
         pass

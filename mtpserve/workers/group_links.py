@@ -7,6 +7,8 @@ tensors travel, point to point (NCCL on a GPU, gloo on the CPU, outside any CUDA
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +43,30 @@ class Topology:
         return self.num_modules > 0 and max((r.num_spec for r in reqs), default=0) > 0
 
 
+# MTPSERVE_TRACE_P2P=1: every rank prints each point-to-point op (peer, shape, dtype) to stderr. Every rank
+# derives the same shapes from the same plans; when a group hangs, the first op whose two sides disagree is
+# the one to look at (NCCL matches a send with a recv by order alone, whatever their sizes).
+_TRACE = os.environ.get("MTPSERVE_TRACE_P2P", "") not in ("", "0")
+
+
+def _trace(op: str, t: torch.Tensor, peer: int) -> None:
+    print(f"[p2p] rank {dist.get_rank()} {op} {'to' if op == 'send' else 'from'} {peer}: "
+          f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
+
+
 def send(tensors: list[torch.Tensor], dst: int) -> None:
     for t in tensors:
         if t.numel():
+            if _TRACE:
+                _trace("send", t, dst)
             dist.send(t.contiguous(), dst)
 
 
 def recv(tensors: list[torch.Tensor], src: int) -> list[torch.Tensor]:
     for t in tensors:
         if t.numel():
+            if _TRACE:
+                _trace("recv", t, src)
             dist.recv(t, src)
     return tensors
 

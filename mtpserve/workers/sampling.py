@@ -92,7 +92,7 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     t is the largest probability in the row whose tokens at or above it hold mass >= top_p: the sorted
     prefix that reaches top_p, plus every token tied with the one crossing the line (as FlashInfer's and
     vLLM's threshold versions keep them). A row whose total falls short of top_p (rounding), or whose
-    top_p is outside (0, 1) (filter off, or a padding row's 0), keeps everything.
+    top_p is outside (0, 1) (the filter off), keeps everything.
     """
     on = (top_p > 0.0) & (top_p < 1.0)
     need = torch.where(on, top_p.float(), float("inf"))[:, None]  # [B, 1]; inf: never reached

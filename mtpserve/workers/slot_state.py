@@ -49,7 +49,10 @@ class DeviceState:
         self.tables = torch.zeros(num_groups, n, max_blocks, dtype=torch.int32, device=device)
         self.capacity = torch.zeros(num_groups, n, dtype=torch.int64, device=device)  # positions owned
         self.ints[SEQ_LEN, self.pad_slot] = PAD_SEQ_LEN
-        self.floats[TEMPERATURE] = 1.0
+        # Neutral settings, which the pad slot keeps (a request's own overwrite them): padded rows sample too, and
+        # with a repetition penalty of 0 their logits were divided by 0, their probabilities NaN, and top-p's sort
+        # failed on them (CPU, a padded batch with penalties).
+        self.floats[[TEMPERATURE, TOP_P, REPETITION]] = 1.0
         self.device = device
 
     @property

@@ -7,6 +7,7 @@ until told to stop. No per-step traffic goes through Ray (docs/design.md §2).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import threading
@@ -34,6 +35,9 @@ T = TypeVar("T")
 # ("init", "load", or "step": its first step with requests, in every incarnation of that rank). A worker
 # also takes ("fault", "exit" | "hang") on its control channel (RayExecutor.inject_fault, tests only).
 FAULT_ENV = "MTPSERVE_TEST_FAULT"
+# Seconds: a worker whose handling of one driver message takes longer prints every thread's stack to stderr
+# (its Ray log), to find where a hung step waits. Unset or 0: off.
+HANG_DUMP_ENV = "MTPSERVE_HANG_DUMP_S"
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,14 @@ class Worker:
         if self.spec.rank == 0 and hasattr(runner, "on_capture"):
             runner.on_capture(lambda: ch.send(("busy", "capturing a CUDA graph")))
         held = None  # a launched step whose result has not been sent
+        dump_after = float(os.environ.get(HANG_DUMP_ENV) or 0)
         try:
             while True:
+                if dump_after > 0:  # waiting for the driver is no hang
+                    faulthandler.cancel_dump_traceback_later()
                 kind, plan = ch.recv()
+                if dump_after > 0:  # every thread's stack to stderr (the worker's log) if this message hangs
+                    faulthandler.dump_traceback_later(dump_after, exit=False)
                 if kind == "stop":
                     return
                 if kind == "flush":
