@@ -85,7 +85,10 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steady-host", type=float, default=0.15,
                    help="where the driving thread is pinned, run a round again when its host probes spread by more "
                         "than this fraction (max / min - 1)")
-    p.add_argument("--steady-retries", type=int, default=3, help="... at most this many times a round")
+    # Off by default: on the H100 machine (run 214) a core's probe moved by up to 75 % inside most rounds even
+    # pinned to the fastest core, so at 15 % nearly every round ran again, a matrix took up to four times as long
+    # and was no steadier for it.
+    p.add_argument("--steady-retries", type=int, default=0, help="... at most this many times a round (0: never)")
     p.add_argument("--prompt-lines", type=int, default=2)
     p.add_argument("--ks", default="0,1,2,3,4", help="draft counts, comma-separated; 'auto' adds the adaptive row")
     p.add_argument("--workload", choices=("text", "random"), default="text",
