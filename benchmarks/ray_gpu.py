@@ -239,16 +239,20 @@ def _compare_outcomes(name: str, ref: Outcome, got: Outcome) -> list[str]:
     if not (got.checked or got.runs) or not (ref.checked or ref.runs):
         print(f"  vs {REFERENCE}: nothing to compare (a run failed first)")
         return []  # reported as failed, not as a mismatch
-    problems = []
+    problems, compared = [], 0
     for k, outs in got.checked.items():
         if k in ref.checked:
+            compared += 1
             problems += _compare(f"{name} k={k} check batch", [o.token_ids for o in ref.checked[k]],
                                  [o.token_ids for o in outs], [o.logprobs for o in ref.checked[k]])
     for (k, c), run in got.runs.items():
         if (k, c) in ref.runs:
+            compared += 1
             problems += _compare(f"{name} k={k} conc={c} timed", [t.token_ids for t in ref.runs[(k, c)].traces],
                                  [t.token_ids for t in run.traces])
-    print(f"  vs {REFERENCE}: {'token for token' if not problems else f'{len(problems)} request(s) differ'}")
+    # How many batches were compared: a configuration that failed part-way is compared on what it finished.
+    verdict = "token for token" if not problems else f"{len(problems)} request(s) differ"
+    print(f"  vs {REFERENCE}: {verdict} ({compared} batch(es) compared)")
     return problems
 
 
