@@ -65,13 +65,13 @@ class TargetDraftLink:
 
     def send_uniform(self, packed: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
                      shape: StepShape) -> None:
+        if not shape.chain:  # nothing to draft: the group sits the step out (DrafterRunner._take_uniform)
+            return
         if self.feeds:
             for g in range(self.topo.drafters):
                 send([packed], self.topo.tp + g)
-            if shape.chain:
-                send([rows], self.topo.owner(0))
-        if shape.chain:
-            self._due.append((slots, shape.chain, shape.flags.all_greedy, self.topo.holder(shape.chain)))
+            send([rows], self.topo.owner(0))
+        self._due.append((slots, shape.chain, shape.flags.all_greedy, self.topo.holder(shape.chain)))
 
     def send(self, reqs: list[CachedRequest], lay: StepLayout, result: StepResult, rows: TargetRows) -> None:
         runs = self.topo.chain_runs(reqs)
@@ -166,6 +166,13 @@ class DrafterRunner:
             self._device_only.update(batch.req_ids)
             self._last_batch = batch
         shape = StepShape.of(reqs, plan, batch.flags, self.config.num_mtp_modules)
+        if not shape.chain:
+            # Nothing to draft, and nothing is sent: each step would hold the target's stream on a rendezvous with
+            # this rank for nothing (a k = 0 request alone in a group replica ran at 0.06-0.08 of in-process on two
+            # H200s). The state diffs wait for the next upload; the rows of these requests fall behind, which
+            # only they read, and a request's k is fixed in a group replica (no adaptive k, design §9): if one
+            # shares a later step with drafting requests, its stale rows draft tokens that it never verifies.
+            return lambda: None
         if self.steps is not None:
             steps, tp = self.steps, self.topo.tp
             static, r = steps.take(batch.slots, shape, self.diffs)
