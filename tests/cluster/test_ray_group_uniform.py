@@ -3,7 +3,7 @@
 Target ranks run the uniform step without a chain and hand the group the packed result and module 0's
 rows; drafter ranks commit the result to their own device state and run their modules' passes of the
 same chain, handing it on between owners. Each layout must take uniform steps on every rank and give
-the single-process engine's outputs token for token, acceptance for acceptance: greedy for k = 1..3,
+the single-process engine's outputs token for token, acceptance for acceptance: greedy for k = 0..3,
 seeded sampling (top-p; top-k with penalties and logprobs), requests preempted for want of KV blocks,
 a request aborted mid-stream, and new requests in the slots of finished ones afterwards.
 """
@@ -55,7 +55,10 @@ def _params(max_tokens: int = 14) -> list[SamplingParams]:
     penalised = [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, repetition_penalty=1.3,
                                 presence_penalty=0.4, frequency_penalty=0.2, seed=200 + i, ignore_eos=True,
                                 num_speculative_tokens=3, logprobs=2) for i in range(len(LENGTHS))]
-    return greedy + sampled + penalised
+    # k = 0 too, last: once the batch holds no drafting request, a step sends the group nothing (drafter_group.py).
+    plain = [SamplingParams(max_tokens=max_tokens + 4, temperature=0.0, ignore_eos=True, num_speculative_tokens=0)
+             for _ in LENGTHS]
+    return greedy + sampled + penalised + plain
 
 
 def _streamed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
@@ -75,10 +78,10 @@ def _streamed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 def _workload(llm: LLM) -> list:
     """A mixed batch short of blocks, then a stream with an abort, then fresh requests in the freed slots."""
     prompts = prompts_of(64, LENGTHS, seed=11)
-    outs = llm.generate(prompts * 5, _params())
+    outs = llm.generate(prompts * 6, _params())
     assert llm.engine.scheduler.num_preemptions > 0
     outs += _streamed(llm, prompts_of(64, [7, 12, 4, 20], seed=3), _params(24)[::12][:4])
-    outs += llm.generate(prompts_of(64, [6, 15, 2, 11, 9], seed=4), _params(10)[::10])
+    outs += llm.generate(prompts_of(64, [6, 15, 2, 11, 9], seed=4), _params(10)[::10][:5])
     assert llm.engine.blocks.all_free
     return outs
 
