@@ -35,7 +35,7 @@ from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.workers.attention import LayerKV
 from mtpserve.workers.device import Staging
 from mtpserve.workers.drafter import Drafter, TargetRows
-from mtpserve.workers.drafter_graphs import DrafterSteps, KeptDelivery
+from mtpserve.workers.drafter_steps import DrafterSteps, KeptDelivery
 from mtpserve.workers.group_links import (GroupChainLink, Topology, UniformGroupLink, draft_buffers, recv, send,
                                           unpack_drafts)
 from mtpserve.workers.kv_cache import layer_pool
@@ -47,7 +47,7 @@ from mtpserve.workers.state import (CachedRequest, SlotBuffers, StepLayout, appl
                                     subset)
 from mtpserve.workers.uniform_batch import UniformBatch, UniformBatches
 from mtpserve.workers.uniform_chain import UniformChain
-from mtpserve.workers.uniform_step import StepShape, commit
+from mtpserve.workers.uniform_step import StepShape
 
 
 def _emitted_width(lay: StepLayout) -> int:
@@ -114,24 +114,21 @@ class DrafterRunner:
                                config.draft_top_m, cfg.vocab_size, link)
         self.diffs: StateDiffs | None = None
         self.chain: UniformChain | None = None  # the uniform step's chain (None: every step takes the general path)
-        # A rank that holds every module runs the chain at fixed shapes (graphs on a GPU, drafter_graphs.py); with
-        # several drafter ranks the chain changes hands inside a step and runs eagerly at the batch's size.
-        self.steps: DrafterSteps | None = None
+        self.steps: DrafterSteps | None = None  # this rank's part of uniform steps, at fixed shapes (drafter_steps.py)
         self.staging = Staging(device)
         if config.uniform_steps:
             max_len = config.max_model_len or cfg.max_position
             self.state, self.diffs = device_state(config.max_num_seqs, 1 + modules, max_len, config.block_size,
                                                   cfg.vocab_size, device)
-            kept = KeptDelivery() if topo.drafters == 1 else None
+            kept = KeptDelivery(UniformGroupLink(topo, rank, config.draft_top_m) if topo.drafters > 1 else None)
             self.chain = UniformChain(model.mtp, embed, head, kv, self.slots, self.state, config.chain_mode,
-                                      config.draft_top_m, modules,
-                                      kept or UniformGroupLink(topo, rank, config.draft_top_m))
-            if kept is not None:
-                self.steps = DrafterSteps(self.chain, kept, self.state, self.slots, self.staging, config.max_num_seqs,
-                                          cfg.hidden_size, dtype, device, config.cuda_graphs, config.pad_uniform_steps)
-                if self.steps.use_graphs:  # the target captures the same shapes at start
-                    self.steps.capture_all([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
-                                            for k in config.capture_at_start for greedy in (True, False)])
+                                      config.draft_top_m, modules, kept)
+            self.steps = DrafterSteps(self.chain, kept, self.state, self.slots, self.staging, config.max_num_seqs,
+                                      cfg.hidden_size, dtype, device, config.cuda_graphs, topo.owner(0) == rank,
+                                      config.pad_uniform_steps)
+            # The shapes with a chain that the target captures at start, prepared here at start too.
+            self.steps.prepare([StepShape(1 + k, k, SamplingFlags(all_greedy=greedy))
+                                for k in config.capture_at_start if k > 0 for greedy in (True, False)])
         self.batches = UniformBatches(cfg.vocab_size)
         self.requests: dict[str, CachedRequest] = {}
         self._device_only: set[str] = set()  # requests whose host view stopped (module docstring)
@@ -173,26 +170,9 @@ class DrafterRunner:
             # only they read, and a request's k is fixed in a group replica (no adaptive k, design §9): if one
             # shares a later step with drafting requests, its stale rows draft tokens that it never verifies.
             return lambda: None
-        if self.steps is not None:
-            steps, tp = self.steps, self.topo.tp
-            static, r = steps.take(batch.slots, shape, self.diffs)
-            return lambda: steps.run(static, r, shape, tp)
-        slots = self.state.upload(self.staging, batch.slots, self.diffs)
-        packed = recv([torch.empty(len(reqs), 1 + shape.window, dtype=torch.long, device=self.device)], 0)[0]
-        rows = None
-        if shape.chain and self.topo.owner(0) == self.rank:
-            rows = recv([torch.empty(len(reqs), shape.window, self.hidden, dtype=self.dtype, device=self.device)], 0)[0]
-        return lambda: self._run_uniform(slots, packed, rows, shape)
-
-    def _run_uniform(self, slots: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor | None,
-                     shape: StepShape) -> None:
-        """Commit the target's result to the device state, then this rank's part of the chain (eagerly, at the
-        batch's own size)."""
-        accepted, tokens = packed[:, 0], packed[:, 1:]
-        seq_len = self.state.seq_len[slots]
-        frontier = commit(self.state, self.slots, slots, seq_len, accepted, tokens, shape.flags)
-        if shape.chain:
-            self.chain(slots, seq_len, frontier, accepted, tokens, rows, shape, self.state.sampling(slots, shape.flags))
+        steps, tp = self.steps, self.topo.tp
+        static, r = steps.take(batch.slots, shape, self.diffs)
+        return lambda: steps.run(static, r, shape, tp)
 
     def _take_general(self, reqs: list[CachedRequest], plan: StepPlan
                       ) -> tuple[list[CachedRequest], list[bool], TargetRows] | None:

@@ -63,7 +63,7 @@ def local_ray():
                                     dict(drafter_devices=1)], ids=["tp2-nccl", "tp2-nccl-eager", "tp1-drafter-gpu"])
 def test_matches_single_gpu(reference: list[list[int]], local_ray, layout: dict) -> None:
     """Tensor-parallel ranks replay graphs with their all-reduces captured inside (or run eagerly), with steps
-    overlapped; the drafter group's rank replays its part of each step (drafter_graphs.py)."""
+    overlapped; the drafter group's rank replays its part of each step (drafter_steps.py)."""
     llm = LLM(**ENGINE, **layout)
     try:
         outs = llm.generate(PROMPTS * len(KS), _params())

@@ -102,9 +102,12 @@ LAYOUTS = {
     "tp2-G2-depth3": ("partly_trained", dict(tensor_parallel_size=2, drafter_devices=2)),  # modules 0, 2 | 1
     "tp1-G2-depth2": ("two_modules", dict(drafter_devices=2)),  # k = 3 recurses on module 1's rank
     "tp1-G1-recursive": ("partly_trained", dict(drafter_devices=1, mtp_chain="recursive")),
-    # Padded to batch buckets as on a GPU, where the drafter rank replays its graphs (drafter_graphs.py): the
+    # Padded to batch buckets as on a GPU, where the drafter rank replays its graphs (drafter_steps.py): the
     # pad rows' results and drafts must reach no request.
     "tp1-G1-padded": ("partly_trained", dict(drafter_devices=1, pad_uniform_steps=True)),
+    # Two drafter ranks padded as on a GPU: their chain changes hands with the pad rows, and at start both run
+    # every prepared shape once on pad rows, in the same order, so that their hand-overs pair up.
+    "tp1-G2-padded": ("two_modules", dict(drafter_devices=2, pad_uniform_steps=True)),
     # Steps overlapped (the default on CUDA): each target rank takes in the group's drafts for step n right
     # after launching it, before step n + 1 (launched before step n is read) verifies them.
     "tp1-G1-overlapped": ("partly_trained", dict(drafter_devices=1, async_scheduling=True)),
