@@ -1,0 +1,290 @@
+"""The adaptive-speculation chooser over time (docs/design.md §9): how long a choice holds (the dwell), a choice per
+batch bucket while a batch ramps up or drains, and the probes of positions no request drafts (the k it picks:
+test_spec_chooser.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mtpserve.cluster.acceptance import AcceptanceTable
+from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from tests.cluster.chooser_sim import COSTS, K, spec_with
+
+
+def test_full_choices_are_paced_by_the_dwell_even_when_k_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full choice (fold, cost table, argmax) costs host time; made every step once k had held for a dwell,
+    it doubled auto's step at c = 1 on the H100."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8))
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.ones((K, 4)))  # always accepted: k stays K
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1.0 + 0.1 * k)  # every k timed: no exploration
+    folds = []
+    fold = AcceptanceTable.fold
+    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
+    assert {spec.choose(rows) for _ in range(64)} == {K}
+    assert len(folds) == 64 // 8
+
+
+def test_the_dwell_grows_until_choices_cost_a_small_share_of_the_steps() -> None:
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8, max_dwell=64, choice_share=0.02))
+    assert spec._dwell(0.4e-3, 0.5e-3) == 40  # a 0.4 ms choice over 0.5 ms steps (the H100's host at c = 1)
+    assert spec._dwell(0.05e-3, 0.5e-3) == 8 and spec._dwell(1.0, 1e-3) == 64
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.ones((K, 4)))
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1e-7 * (1 + k))  # steps far cheaper than any choice: the longest dwell
+    for _ in range(200):
+        spec.choose(rows)
+    assert spec.dwell == 64
+
+
+def test_a_new_k_is_checked_again_after_min_dwell_and_a_kept_one_ever_later() -> None:
+    """Paced by the choice's cost alone (~0.4 ms on the H100's host against 0.3 ms steps at c = 8), the
+    first choice of a greedy cell held k = 2 for 128 steps before k = 4, where fixed k = 4 ran 20 % faster
+    (run 140). A choice that changes k holds for min_dwell steps; one that keeps k holds as long as its cost
+    allows (doubled from min_dwell instead, a c = 8 cell made 13-20 full choices of ~1.1 ms, runs 167-168)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8, max_dwell=64, hysteresis=0.0,
+                                       probe_after=10**6))  # no probe of an undrafted position
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1e-7 * (1 + 0.1 * k))  # choices cost far more than steps: the cost allows max_dwell
+
+    def choices(steps: int) -> list[tuple[int, int]]:
+        made = []
+        for _ in range(steps):
+            k = spec.choose(rows)
+            if spec._held == 0:  # a full choice was made this call
+                made.append((k, spec.dwell))
+        return made
+
+    spec.acceptance.set(rows, np.ones((K, 4)))
+    assert choices(1 + 64 + 64) == [(K, 64), (K, 64), (K, 64)]  # the first call chooses; a kept k holds long
+    spec.acceptance.set(rows, np.zeros((K, 4)))  # drafts stop paying: the next choice falls to 0 ...
+    assert choices(64 + 8) == [(0, 8), (0, 64)]  # ... is checked again after min_dwell, then holds long
+
+
+def test_a_choice_made_while_the_batch_ramps_up_holds_only_for_its_bucket() -> None:
+    """Requests admitted a few dozen a step: a choice made at 32 rows must not hold for a long dwell once
+    the batch is 256, where other costs apply."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=256, min_dwell=8, max_dwell=128))
+    for k in range(K + 1):
+        spec.costs.seed(32, k, 1e-3 * (1 + 3 * k))  # at 32 rows drafts cost more than they earn: k = 0
+        spec.costs.seed(256, k, 1e-3 * (1 + 0.05 * k))  # at 256 they are nearly free: k = K
+    rows = np.array([spec.admit(K, True) for _ in range(256)])
+    spec.acceptance.set(rows, np.full((K, 256), 0.8))
+    spec.dwell = spec.config.max_dwell
+    assert spec.choose(rows[:32]) == 0
+    spec.dwell = spec.config.max_dwell  # as a slow choice would set it
+    ks = [spec.choose(rows[:48]) for _ in range(spec.config.min_dwell)]  # the next bucket: after min_dwell
+    assert ks[-1] == K and ks.count(0) == spec.config.min_dwell - 1
+    spec.acceptance.set(rows[:1], np.zeros((K, 1)))  # a drained batch of one whose drafts fail: k = 0 ...
+    assert spec.choose(rows[:1]) == 0 and spec._held == 0
+    assert spec.choose(rows) == K  # ... and the next 256 requests, chosen for at once: their prefill runs K
+
+
+def test_a_ramping_batch_is_chosen_for_the_batch_it_will_reach() -> None:
+    """32 requests run and 224 wait to join: the k chosen now is the k their prefills run with, so it is priced
+    at 256 rows, where drafts are nearly free, not at 32, where they cost more than they earn (chosen for the
+    32, the joining requests prefilled without their chains and were all caught up a few steps later)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=256))
+    for k in range(K + 1):
+        spec.costs.seed(32, k, 1e-3 * (1 + 3 * k))
+        spec.costs.seed(256, k, 1e-3 * (1 + 0.05 * k))
+    rows = np.array([spec.admit(K, True) for _ in range(32)])
+    spec.acceptance.set(rows, np.full((K, 32), 0.8))
+    assert spec.choose(rows) == 0
+    spec.dwell = 0  # the next call chooses again
+    assert spec.choose(rows, batch=256) == K
+    spec.dwell = 0
+    assert spec.choose(rows, batch=8) == 0  # never below the rows running
+
+
+def test_waiting_requests_that_never_join_do_not_make_the_chooser_explore_for_good() -> None:
+    """8 requests run and 56 wait (the KV cache is full: they cannot join). Prices come from the bucket of
+    64, but steps land in the bucket of 8: a k - 1 that is 'untimed' must be judged where the samples land,
+    or every choice would go down to time it and every rise would cost a catch-up."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=64))
+    rows = np.array([spec.admit(K, True) for _ in range(8)])
+    spec.acceptance.set(rows, np.full((K, 8), 0.95))
+    ks = []
+    for _ in range(12):
+        spec.dwell = 0  # choose every call
+        ks.append(spec.choose(rows, batch=64))
+        for _ in range(4):
+            spec.costs.observe(8, ks[-1], 1e-3 * (1 + 0.05 * ks[-1]))
+    assert ks.count(K - 1) <= 1 and ks[-1] == K, ks
+
+
+def test_a_burst_after_an_idle_spell_is_chosen_for_before_its_prefills() -> None:
+    """Nothing runs and 256 requests wait: the k their prefills run is chosen for them now (from the engine's
+    prior acceptance and the costs at 256 rows), not left over from the drained batch before (k = 0 there)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=256))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 3 * k))  # one request at a time: drafts cost more than they earn
+        spec.costs.seed(256, k, 1e-3 * (1 + 0.05 * k))
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.8))
+    assert spec.choose(row) == 0
+    spec.release(int(row[0]))
+    assert spec.choose(np.array([], dtype=np.int64), batch=256) == K
+    assert spec.choose(np.array([], dtype=np.int64)) == K  # nothing waits either: the last choice stays
+
+
+def test_a_newcomer_to_the_bucket_of_a_choice_that_still_holds_keeps_it() -> None:
+    """One request at a time (c = 1): each arrives to an empty batch of the bucket the last choice was made
+    for; that choice holds for its dwell instead of a full choice per request. Past the dwell it is made
+    again, from the costs as they are then."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 0.05 * k))
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.9))
+    assert spec.choose(row) == K
+    spec.release(int(row[0]))
+    for k in range(1, K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 5 * k))  # drafts now cost far more than they earn
+    empty = np.array([], dtype=np.int64)
+    assert spec.choose(empty, batch=1) == K  # within the dwell of the choice for this bucket
+    spec._held = spec.dwell
+    assert spec.choose(empty, batch=1) == 0  # the dwell is over: chosen again
+
+
+def test_fixed_k_newcomers_to_an_empty_batch_make_no_choice() -> None:
+    """A fixed-k request arriving to an empty batch has nothing to choose: no full choice is made for it (a
+    fixed-k cell at c = 1 made one per request, run 180), and the next adaptive newcomer is chosen for."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-3 * (1 + 5 * k))  # drafts cost far more than they earn
+    empty = np.array([], dtype=np.int64)
+    spec._held = spec.dwell  # any last choice is over
+    assert spec.choose(empty, batch=1, newcomers_adaptive=False) == K and spec.chosen.sum() == 0
+    assert not spec.active and spec._held == spec.dwell + 1
+    assert spec.choose(empty, batch=1) == 0 and spec.chosen[0] == 1 and spec._held == 0
+
+
+def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At c = 1 the next request joins while the last one finishes: the batch goes 1 -> 2 -> 1. The step at
+    two is chosen for (another bucket, other costs); back at one, that bucket's choice still holds and is
+    taken up again without a full choice (two full choices per request before, run 171)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, probe_after=10**6))
+    for k in range(K + 1):
+        spec.costs.seed(1, k, 1e-7 * (1 + 0.1 * k))  # one request: drafts pay (choices cost more than steps)
+        spec.costs.seed(2, k, 1e-7 * (1 + 5.0 * k))  # two: they do not
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.9))
+    folds = []
+    fold = AcceptanceTable.fold
+    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
+    assert [spec.choose(row) for _ in range(20)] == [K] * 20 and len(folds) == 1 and spec.dwell == 64
+    assert spec.choose(row, batch=2) == 0 and len(folds) == 2  # a request waits to join: chosen for two
+    assert spec.choose(row) == K and len(folds) == 2  # back at one: its choice holds, no full choice
+    assert spec.dwell == 64 and spec._held == 21
+
+
+def test_a_probe_taken_up_again_in_its_bucket_still_returns_to_its_k() -> None:
+    """A bucket's remembered choice carries the k its probe left: without it, the next choice there held the
+    probed k + 1 by the hysteresis, as if it were the current choice."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, probe_after=4))
+    for k, cost in enumerate([1.0, 1.2, 1.3, 1.4, 2.0]):  # at p = 0.5 k = 2 is best, k = 3 0.5 % behind
+        spec.costs.seed(1, k, cost * 1e-3)
+        spec.costs.seed(4, k, 1e-3 * (1 + 5 * k))  # at four requests drafts do not pay
+    row = np.array([spec.admit(K, True)])
+    spec.acceptance.set(row, np.full((K, 1), 0.5))
+    assert spec.choose(row) == 2
+    assert [spec.choose(row) for _ in range(8)][-1] == 3  # k = 2 kept: position 3 is probed
+    assert spec.choose(row, batch=4) == 0  # two buckets away: chosen for at once
+    assert spec.choose(row) == 3  # back within the probe's dwell: it is taken up again ...
+    assert [spec.choose(row) for _ in range(8)][-1] == 2  # ... and the choice after it returns to k = 2
+
+
+def test_the_chooser_prices_a_sampled_batch_with_the_sampled_costs() -> None:
+    """The same acceptance, cheap greedy drafts and dear sampled ones: a greedy batch runs every draft, a
+    sampled batch none; a batch that turns sampled is chosen for at once."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, min_dwell=8))
+    for k in range(K + 1):
+        spec.costs.seed(8, k, 1e-3 * (1 + 0.05 * k))
+        spec.costs.seed(8, k, 1e-3 * (1 + 2.0 * k), greedy=False)
+    greedy = np.array([spec.admit(K, True) for _ in range(8)])
+    assert spec.choose(greedy) == K and spec.greedy
+    sampled = np.array([spec.admit(K, True, greedy=False) for _ in range(8)])
+    for rows in (greedy, sampled):
+        spec.acceptance.set(rows, np.full((K, 8), 0.6))
+    assert spec.choose(sampled) == 0 and not spec.greedy  # a new mode: no dwell to wait out
+    mixed = np.concatenate((greedy[:4], sampled[:4]))  # one sampled request makes the batch's step sampled
+    spec.choose(mixed)
+    assert not spec.greedy
+
+
+def _one_request_at_a_time_at(p: list[float], probe_after: int, seed: int = 0) -> float:
+    """Requests of 120 steps one after another, the i-th's positions each accepted with probability p[i] (the
+    last p for the rest), on the H100's device costs at c = 1 and T = 1 (overlapped with a 0.25 ms host
+    share); -> expected tokens per second over the best k's, after the first five requests."""
+    device = np.array([0.235, 0.384, 0.437, 0.616, 0.615]) * 1e-3
+    lap = np.maximum(device, 0.25e-3)
+    rng = np.random.default_rng(seed)
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, max_dwell=8, probe_after=probe_after))
+    for k, seconds in enumerate(device):
+        spec.costs.seed(1, k, seconds)
+    got = best = 0.0
+    for request in range(30):
+        q = p[min(request, len(p) - 1)]
+        tokens = 1.0 + np.concatenate(([0.0], np.cumsum(q ** np.arange(1, K + 1))))
+        rows = np.array([spec.admit(K, True)])
+        for _ in range(120):
+            k = spec.choose(rows)
+            accepted = np.argmin(np.append(rng.uniform(size=k) < q, False))
+            spec.acceptance.observe(rows, np.array([k]), np.array([accepted]))
+            spec.costs.observe(1, k, device[k], 0.25e-3, overlapped=True, tokens=1.0 + accepted, lap=lap[k])
+            if request >= 5:
+                got, best = got + tokens[k] / lap[k], best + (tokens / lap).max()
+        spec.release(int(rows[0]))
+    return got / best
+
+
+def test_one_request_at_a_time_keeps_drafting_where_drafts_pay() -> None:
+    """At c = 1 a prior moved per step was the last requests' history: a run of rejections pulled it low, the
+    next requests started at k = 0, where nothing is observed, and every later one stayed there (0.91 of the
+    best k's rate at 0.62 a position, where k = 2 is 14 % faster). Moved per observation, it holds."""
+    assert min(_one_request_at_a_time_at([0.62], probe_after=10**9, seed=s) for s in range(3)) >= 0.95
+
+
+def test_a_position_no_request_drafts_is_drafted_now_and_then() -> None:
+    """After requests whose drafts do not pay (0.1 a position) the prior is low and every request runs k = 0,
+    where nothing is observed: when acceptance rises (0.8), only drafting such a position for one dwell every
+    probe_after steps lets the prior learn it. Where drafts do not pay (0.2), the probes cost little."""
+    shift = [0.1] * 8 + [0.8]
+    assert _one_request_at_a_time_at(shift, probe_after=10**9) < 0.8
+    assert _one_request_at_a_time_at(shift, probe_after=AdaptiveConfig.probe_after) >= 0.9
+    assert _one_request_at_a_time_at([0.2], probe_after=AdaptiveConfig.probe_after) >= 0.98
+
+
+def test_a_probe_lasts_one_dwell_and_the_choice_returns_to_the_k_before_it() -> None:
+    """Probing k + 1 must not move the choice there by itself: with hysteresis held to the probe, a k + 1 within
+    the margin stayed (at T = 1, c = 1 on the H100 auto then ran k = 4 in a quarter of its steps, 0.89 of the
+    best k's speed)."""
+    p = np.tile([0.8, 0.5, 0.3, 0.3], (8, 1))  # rates at 10 % a draft: 1, 1.64, 1.67, 1.62, 1.56 (k = 2 best)
+    spec, rows = spec_with(p, COSTS, hysteresis=0.05)
+    assert spec.choose(rows) == 2
+    spec.acceptance.now += spec.config.probe_after + 1  # nobody drafted position 3 since
+    assert spec.choose(rows) == 3  # the probe
+    assert spec.choose(rows) == 2  # k = 3 is within the margin of k = 2, not beyond it
+    assert [spec.choose(rows) for _ in range(8)] == [2] * 8  # and the next probe waits its turn
+
+
+def test_a_probe_lasts_min_dwell_steps_however_long_the_dwell_has_grown() -> None:
+    """The dwell grows to max_dwell where choices are dear next to the steps; a probe held that long, every
+    probe_after steps, ran a third of a simulated c = 8 at the probed k."""
+    p = np.tile([0.8, 0.5, 0.3, 0.3], (8, 1))
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=4, max_dwell=64))
+    rows = np.array([spec.admit(K, True) for _ in range(8)])
+    spec.acceptance.set(rows, p.T)
+    for k, seconds in enumerate(COSTS):
+        spec.costs.observe(8, k, seconds)
+    spec._dwell = lambda choice_seconds, step_seconds: 64  # a choice as dear as the longest dwell allows
+    while spec.k != 2:
+        spec.choose(rows)
+    spec.acceptance.now += spec.config.probe_after + 64
+    ks = [spec.choose(rows) for _ in range(72)]  # the probe comes at the next full choice, 64 steps on
+    assert ks.count(3) == 4 and ks[ks.index(3) + 4] == 2, ks
