@@ -126,9 +126,9 @@ class GroupChainLink:
 
 
 class UniformGroupLink:
-    """The uniform chain (mtpserve/workers/uniform_chain.py) in the group. Module m + 1's owner reads module m's
-    output rows, and the drafts (and proposals) so far; the holder of the last step sends the drafts to every
-    target rank."""
+    """The uniform chain's hand-overs (mtpserve/workers/uniform_chain.py) between drafter ranks: module m + 1's
+    owner reads module m's output rows, and the drafts (and proposals) so far. The drafts of the last step go to
+    the target ranks after the step (drafter_steps.KeptDelivery, which wraps this link)."""
 
     def __init__(self, topo: Topology, rank: int, top_m: int) -> None:
         self.topo, self.rank, self.top_m = topo, rank, top_m
@@ -147,8 +147,3 @@ class UniformGroupLink:
 
     def hand_over(self, run: ChainRun, j: int) -> None:
         send([run.prev, *draft_payload(*run.stacked())], self.topo.owner(run.steps[j + 1].module))
-
-    def deliver(self, run: ChainRun) -> None:
-        payload = draft_payload(*run.stacked())
-        for target_rank in range(self.topo.tp):
-            send(payload, target_rank)
