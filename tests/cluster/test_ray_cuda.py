@@ -1,8 +1,9 @@
 """The Ray path on CUDA GPUs (needs >= 2): tensor parallelism over NCCL and the drafter group on its own GPU.
 
 test_ray_equivalence.py runs these layouts on CPU over gloo; here they run as they serve, one Ray actor per
-GPU and NCCL between them. The default model in float32, greedy, k = 0 and k = 3: every request's tokens
-must equal the in-process engine's on one GPU. benchmarks/ray_gpu.py is the same check with timings.
+GPU and NCCL between them. The default model in float32, greedy at k = 0 and k = 3, and seeded sampling at
+k = 3 (top-p; top-k with penalties, whose padded rows must stay neutral): every request's tokens must equal
+the in-process engine's on one GPU. benchmarks/ray_gpu.py is the greedy check with timings.
 """
 
 from __future__ import annotations
@@ -32,15 +33,28 @@ ENGINE = dict(device="cuda", dtype="float32", max_num_seqs=8, num_speculative_to
 
 
 def _params() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
-            for k in KS for _ in PROMPTS]
+    """Greedy at each k of KS over PROMPTS, then the prompts again sampled at k = 3 with per-request seeds:
+    half top-p, half top-k with repetition, presence and frequency penalties."""
+    greedy = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+              for k in KS for _ in PROMPTS]
+    sampled = [SamplingParams(max_tokens=48, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True,
+                              num_speculative_tokens=max(KS)) if i % 2 else
+               SamplingParams(max_tokens=48, temperature=0.8, top_k=20, repetition_penalty=1.3, presence_penalty=0.4,
+                              frequency_penalty=0.2, seed=200 + i, ignore_eos=True, num_speculative_tokens=max(KS))
+               for i in range(len(PROMPTS))]
+    return greedy + sampled
+
+
+def _kind(i: int) -> str:
+    """What request i of _params() is, for failure messages."""
+    return f"k={KS[i // len(PROMPTS)]}" if i < len(KS) * len(PROMPTS) else "sampled k=3"
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     llm = LLM(**ENGINE)
     try:
-        outs = [o.token_ids for o in llm.generate(PROMPTS * len(KS), _params())]
+        outs = [o.token_ids for o in llm.generate(PROMPTS * (len(KS) + 1), _params())]
     finally:
         llm.shutdown()
     del llm
@@ -66,7 +80,7 @@ def test_matches_single_gpu(reference: list[list[int]], local_ray, layout: dict)
     overlapped; the drafter group's rank replays its part of each step (drafter_steps.py)."""
     llm = LLM(**ENGINE, **layout)
     try:
-        outs = llm.generate(PROMPTS * len(KS), _params())
+        outs = llm.generate(PROMPTS * (len(KS) + 1), _params())
         replays = [_counters(channel)["graph_replays"] for channel in llm.engine.executor._channels]
         assert llm.engine.num_overlapped_steps > 0
     finally:
@@ -75,12 +89,12 @@ def test_matches_single_gpu(reference: list[list[int]], local_ray, layout: dict)
     # Every rank replays its graphs: the target ranks their steps, a drafter rank its part of them.
     assert all((n > 0) == graphed for n in replays), replays
     for i, (o, expected) in enumerate(zip(outs, reference)):
-        k = KS[i // len(PROMPTS)]
         pos = next((j for j, (a, b) in enumerate(zip(o.token_ids, expected)) if a != b), None)
-        assert o.token_ids == expected, (f"k={k}, prompt {i % len(PROMPTS)}: first difference at token "
+        assert o.token_ids == expected, (f"{_kind(i)}, prompt {i % len(PROMPTS)}: first difference at token "
                                          f"{pos if pos is not None else min(len(o.token_ids), len(expected))}")
-    drafted = [o for o in outs[len(PROMPTS):] if o.accepted_per_step]
-    assert drafted and sum(o.accepted_tokens for o in drafted) > 0, "k=3: drafts verified and some accepted"
+    for name, part in (("k=3", outs[len(PROMPTS):2 * len(PROMPTS)]), ("sampled k=3", outs[2 * len(PROMPTS):])):
+        drafted = [o for o in part if o.accepted_per_step]
+        assert drafted and sum(o.accepted_tokens for o in drafted) > 0, f"{name}: drafts verified and some accepted"
 
 
 def _counters(channel) -> dict[str, int]:
