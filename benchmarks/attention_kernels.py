@@ -5,7 +5,8 @@ no RESULTS section).
     python benchmarks/attention_kernels.py [--cases 64x1x1024,32x4x8192] [--heads 32 --kv-heads 8 --head-dim 128]
 
 Per case (batch x window x context) it times the one-pass kernel with 32-, 64- and 128-position K/V tiles
-and the split kernel at several split counts, each as a CUDA graph of --calls calls cycling over --layers
+and the split kernel at several split counts (with --stages and --warps, every such pair as well: "s3 w8" is
+three K/V tiles in flight and eight warps a program), each as a CUDA graph of --calls calls cycling over --layers
 layer caches (so that no call finds its KV in the L2, as in a step), and prints microseconds per call and
 the share of the copy bandwidth that the KV bytes alone would take. `default` marks what the attention
 backend picks for that shape (workers/attention.py). Session K's run 88 chose the one-pass tile from it
@@ -42,21 +43,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="layer caches cycled through")
     p.add_argument("--calls", type=int, default=8, help="calls per timed graph")
     p.add_argument("--splits", default="2,3,4,8,16")
+    p.add_argument("--stages", default="2", help="K/V tiles in flight per program, comma-separated")
+    p.add_argument("--warps", default="", help="warps per program, comma-separated (0 or empty: the wrappers' own)")
     p.add_argument("--bandwidth-gb", type=float, default=2.0, help="size of the copy that measures bandwidth")
     return p.parse_args(argv)
 
 
 def variants(q: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor, window: int,
-             seq: int, splits: list[int]) -> dict[str, Attend]:
-    """Every kernel configuration timed for one case."""
+             seq: int, splits: list[int], stages: list[int], warps: list[int | None]) -> dict[str, Attend]:
+    """Every kernel configuration timed for one case (a suffix names stages and warps where several are swept)."""
     scale = q.shape[-1] ** -0.5
     out: dict[str, Attend] = {}
-    for bn in (32, 64, 128):
-        out[f"one-pass bn{bn}"] = lambda k, v, bn=bn: paged_attention(q, k, v, qsl, seq_lens, tables, window, seq,
-                                                                       scale, block_n=bn)
-    for s in splits:
-        out[f"split {s}"] = lambda k, v, s=s: paged_attention_split(q, k, v, qsl, seq_lens, tables, window, seq,
-                                                                     scale, num_splits=s)
+    for st in stages:
+        for w in warps:
+            tag = "" if len(stages) == 1 and len(warps) == 1 else f" s{st} w{w or 'default'}"
+            for bn in (32, 64, 128):
+                out[f"one-pass bn{bn}{tag}"] = lambda k, v, bn=bn, st=st, w=w: paged_attention(
+                    q, k, v, qsl, seq_lens, tables, window, seq, scale, block_n=bn, num_stages=st, num_warps=w)
+            for s in splits:
+                out[f"split {s}{tag}"] = lambda k, v, s=s, st=st, w=w: paged_attention_split(
+                    q, k, v, qsl, seq_lens, tables, window, seq, scale, num_splits=s, num_stages=st, num_warps=w)
     return out
 
 
@@ -96,8 +102,13 @@ def run_case(args: argparse.Namespace, batch: int, window: int, context: int, ba
     splits = num_splits_for(batch, args.kv_heads, window, seq, group, sm_count(dev))
     tile = one_pass_block_n(batch, args.kv_heads, args.head_dim, sm_count(dev), window, shared_memory(dev))
     default = f"split {splits}" if splits > 1 else f"one-pass bn{tile}"
+    stages = common.parse_ints(args.stages)
+    warps = [w or None for w in common.parse_ints(args.warps)] if args.warps else [None]  # 0: the wrapper's
+    if len(stages) > 1 or len(warps) > 1:
+        default += " s2 wdefault"
     cells = []
-    for name, attend in variants(q, qsl, seq_lens, tables, window, seq, common.parse_ints(args.splits)).items():
+    for name, attend in variants(q, qsl, seq_lens, tables, window, seq, common.parse_ints(args.splits), stages,
+                                 warps).items():
         try:
             us = graph_us(attend, caches, args.calls)
             mark = " (default)" if name == default else ""

@@ -253,12 +253,14 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_stages: int = 2,
+    num_warps: int | None = None,
 ) -> torch.Tensor:  # [T, H, D], q's dtype
     """Causal attention of every query in the flat batch over its request's paged context.
 
     max_query_len only picks the tile shape (verify-only batches get small M tiles); max_seq_len is
     unused because the kernel reads seq_lens on the device. block_m / block_n override the tiles
-    (powers of two >= 16) and num_stages the K/V tiles in flight, for tuning and tests. Nothing here
+    (powers of two >= 16), num_stages the K/V tiles in flight and num_warps the warps per program, for tuning
+    and tests. Nothing here
     syncs with the device.
     """
     check_paged_inputs(q, k_cache, v_cache)
@@ -284,7 +286,7 @@ def paged_attention(
     for name, tile in (("block_m", block_m), ("block_n", block_n)):
         if tile < 16 or tile & (tile - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's minimum), got {tile}")
-    num_warps = 8 if block_m >= 128 else 4
+    num_warps = num_warps or (8 if block_m >= 128 else 4)
     # fp32 inputs are the exact path (tests, debugging): keep the dots out of TF32.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # The interpreter's tl.dot multiplies bf16 tiles' raw uint16 storage: widen the operands to fp32

@@ -139,6 +139,7 @@ def paged_attention_split(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_stages: int = 2,  # K/V tiles in flight per program
+    num_warps: int | None = None,  # per program of the split kernel (None: by the M tile)
 ) -> torch.Tensor:  # [T, H, D], q's dtype
     """Causal attention of every query over its request's paged context, the context split across programs."""
     check_paged_inputs(q, k_cache, v_cache)
@@ -172,7 +173,7 @@ def paged_attention_split(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=4 if block_m <= 64 else 8, num_stages=num_stages, **pdl.options(q.device),
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages, **pdl.options(q.device),
     )
     _merge_kernel[(num_tokens, num_heads)](
         out, acc, stats[0], stats[1],
