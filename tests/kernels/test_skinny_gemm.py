@@ -35,6 +35,7 @@ CASES = {
     "m17-split3-ragged-k": (17, 33, 200, (16, 32, 3, 4, 1)),
     "m33-split4-uneven": (33, 40, 96, (16, 16, 4, 4, 1)),  # 6 K tiles in splits of 2: only 3 splits run
     "m70-two-m-tiles": (70, 24, 48, (16, 16, 2, 4, 1)),
+    "m3-prefetch-ragged-k": (3, 40, 70, (16, 32, 1, 4, 2)),  # 3 tiles, all before the wait, the last partial
 }
 
 
@@ -112,6 +113,18 @@ def test_split_fills_the_sms_and_keeps_k_tiles():
     assert split_for(1, 128256, 4096, 64, 128, 132) == 1  # the LM head fills the GPU by itself
     assert split_for(1, 64, 256, 64, 128, 132) == 1  # too few K tiles to cut
     configs = candidate_configs(1, 4096, 4096, 132)
-    assert len(configs) == len(set(configs)) <= 3 * len(TILES)  # each shape measures them all at start-up
-    assert {c.split for c in configs} == {1, 2, 4, 8}  # 8: twice the 4 that fills the SMs with strips of 64
+    assert len(configs) == len(set(configs)) <= 4 * len(TILES)  # each shape measures them all at start-up
+    # 8: twice the 4 that fills the SMs with strips of 64; 2: half of it (the down projection's best, H100)
+    assert {c.split for c in configs if c.block_n == 64 and c.block_k == 128} == {1, 2, 4, 8}
+    assert {c.split for c in configs if c.block_n == 32} == {1, 2, 4}  # a fill of 2 has no half but 1
     assert {c.split for c in candidate_configs(1, 128256, 4096, 132)} == {1}
+
+
+def test_prefetch_fits_the_registers_and_the_shortest_split():
+    from mtpserve.kernels.skinny_gemm import SkinnyConfig, prefetch_tiles
+
+    assert prefetch_tiles(SkinnyConfig(64, 128, 1, 4, 5), 32) == 3  # 128 bytes a thread per tile
+    assert prefetch_tiles(SkinnyConfig(128, 128, 1, 4, 3), 32) == 1  # 256 bytes a tile: one fits
+    assert prefetch_tiles(SkinnyConfig(64, 256, 1, 8, 3), 32) == 3
+    assert prefetch_tiles(SkinnyConfig(64, 128, 4, 4, 5), 2) == 2  # the last split has two tiles
+    assert prefetch_tiles(SkinnyConfig(64, 128, 4, 4, 5), 1) == 1
