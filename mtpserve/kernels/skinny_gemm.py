@@ -94,19 +94,6 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
     return SkinnyConfig(bn, bk, split_for(m, n, k, bn, bk, num_sms), warps, stages)
 
 
-# Weight bytes per thread that the tiles streamed before PDL's wait may hold in registers (96 registers): while
-# the previous kernel drains (a norm of a few microseconds, attention's last programs) the weight stream is
-# already under way, one tile of it before 2026-11-28.
-PREFETCH_BYTES_PER_THREAD = 384
-
-
-def prefetch_tiles(cfg: SkinnyConfig, fewest_tiles: int) -> int:
-    """Weight tiles (1..3) a program loads before waiting for the previous kernel: as many as fit
-    PREFETCH_BYTES_PER_THREAD and the shortest split (fewest_tiles) holds."""
-    per_thread = cfg.block_n * cfg.block_k * 2 // (32 * cfg.num_warps)  # a 16-bit tile spread over the threads
-    return max(1, min(3, fewest_tiles, PREFETCH_BYTES_PER_THREAD // max(per_thread, 1)))
-
-
 @lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -138,12 +125,6 @@ def _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _k_range(k0, BLOCK_K: tl.constexpr):
-    """[BLOCK_K] columns k0.. of one K tile (k0 a multiple of BLOCK_K: contiguous, aligned loads)."""
-    return tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-
-
-@triton.jit
 def _mma(w, xt, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         w, xt = w.to(tl.float32), xt.to(tl.float32)
@@ -156,7 +137,7 @@ def _skinny_gemm_kernel(
     M, N, K, k_tiles,  # k_tiles: BLOCK_K tiles per split (at least one)
     stride_xm, stride_wn, stride_ym, stride_ys,  # stride_ys: between splits' partials (PARTIAL only)
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
@@ -167,25 +148,16 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(K, k_lo + k_tiles * BLOCK_K)
     w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     x_cols = x_ptr + ms[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_M]
-    # The first PREFETCH tiles are peeled: their weights (no kernel of a step writes them) stream in before
-    # the wait for the previous kernel, whose output x is (every split has at least PREFETCH tiles).
-    ks = _k_range(k_lo, BLOCK_K)
+    # The first tile is peeled: its weights (no kernel of a step writes them) stream in before the wait
+    # for the previous kernel, whose output x is. (Three tiles so, as registers allowed, made the o and qkv
+    # projections 1-1.5 us slower at 8-64 rows and the batch-1 step 2 % slower: H100, 2026-11-28.)
+    ks = tl.max_contiguous(tl.multiple_of(k_lo + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
-    if PREFETCH >= 2:
-        w1 = _w_tile(w_rows, _k_range(k_lo + BLOCK_K, BLOCK_K), k_hi, n_mask, EVEN_K, EVEN_N)
-    if PREFETCH >= 3:
-        w2 = _w_tile(w_rows, _k_range(k_lo + 2 * BLOCK_K, BLOCK_K), k_hi, n_mask, EVEN_K, EVEN_N)
     wait_previous(PDL)
     acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32),
                PRECISION, UPCAST)
-    if PREFETCH >= 2:
-        acc = _mma(w1, _x_tile(x_cols, _k_range(k_lo + BLOCK_K, BLOCK_K), k_hi, m_mask, EVEN_K), acc,
-                   PRECISION, UPCAST)
-    if PREFETCH >= 3:
-        acc = _mma(w2, _x_tile(x_cols, _k_range(k_lo + 2 * BLOCK_K, BLOCK_K), k_hi, m_mask, EVEN_K), acc,
-                   PRECISION, UPCAST)
-    for k0 in range(k_lo + PREFETCH * BLOCK_K, k_hi, BLOCK_K):
-        ks = _k_range(k0, BLOCK_K)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
         acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), acc, PRECISION, UPCAST)
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -242,7 +214,6 @@ def skinny_gemm(
     k_tiles = triton.cdiv(tiles, cfg.split)  # the last split may get fewer
     splits = triton.cdiv(tiles, k_tiles)  # each with at least one tile: the kernel peels it
     partial = splits > 1
-    prefetch = prefetch_tiles(cfg, tiles - (splits - 1) * k_tiles)
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     # The interpreter's tl.dot multiplies bf16 tiles' raw storage: widen the operands to fp32 there.
     upcast = _INTERPRETED and x.dtype != torch.float32
@@ -251,7 +222,7 @@ def skinny_gemm(
         x, weight, bias if bias is not None else y, out, m, n, k, k_tiles,
         x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if partial else 0,
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=prefetch,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )

@@ -35,7 +35,6 @@ CASES = {
     "m17-split3-ragged-k": (17, 33, 200, (16, 32, 3, 4, 1)),
     "m33-split4-uneven": (33, 40, 96, (16, 16, 4, 4, 1)),  # 6 K tiles in splits of 2: only 3 splits run
     "m70-two-m-tiles": (70, 24, 48, (16, 16, 2, 4, 1)),
-    "m3-prefetch-ragged-k": (3, 40, 70, (16, 32, 1, 4, 2)),  # 3 tiles, all before the wait, the last partial
 }
 
 
@@ -119,12 +118,3 @@ def test_split_fills_the_sms_and_keeps_k_tiles():
     assert {c.split for c in configs if c.block_n == 32} == {1, 2, 4}  # a fill of 2 has no half but 1
     assert {c.split for c in candidate_configs(1, 128256, 4096, 132)} == {1}
 
-
-def test_prefetch_fits_the_registers_and_the_shortest_split():
-    from mtpserve.kernels.skinny_gemm import SkinnyConfig, prefetch_tiles
-
-    assert prefetch_tiles(SkinnyConfig(64, 128, 1, 4, 5), 32) == 3  # 128 bytes a thread per tile
-    assert prefetch_tiles(SkinnyConfig(128, 128, 1, 4, 3), 32) == 1  # 256 bytes a tile: one fits
-    assert prefetch_tiles(SkinnyConfig(64, 256, 1, 8, 3), 32) == 3
-    assert prefetch_tiles(SkinnyConfig(64, 128, 4, 4, 5), 2) == 2  # the last split has two tiles
-    assert prefetch_tiles(SkinnyConfig(64, 128, 4, 4, 5), 1) == 1
