@@ -19,6 +19,7 @@ from mtpserve.cluster.recovery import FaultBudget, RecoveryEvent, recover
 from mtpserve.cluster.request import Request
 from mtpserve.cluster.scheduler import Scheduler, SchedulerConfig
 from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster import warmup
 from mtpserve.cluster.stats import SpecCounters, StepStats
 from mtpserve.cluster.tokenizer import Tokenizer
 from mtpserve.boundary.messages import StepPlan, StepResult
@@ -61,6 +62,8 @@ class LLMEngine:
         self.model_config = r.model_config
         self.tokenizer = Tokenizer.from_checkpoint(r.model_path)
         self.executor = executor or r.make_executor()
+        # Synthetic prompts through every rank before serving (cluster/warmup.py): steps the scheduler never sees.
+        self.num_warmup_steps = warmup.run(self.executor, r) if warmup.wanted(r) else 0
         self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size,
                                      enable_caching=config.enable_prefix_caching)
         self.adaptive = AdaptiveSpec(AdaptiveConfig(r.max_auto_spec, config.max_num_seqs)) if r.adaptive else None

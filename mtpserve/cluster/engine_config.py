@@ -45,6 +45,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay whole uniform steps (a drafter group's ranks their parts) as CUDA graphs
     capture_graphs_at_start: bool = True  # k=0 and the default k, every batch bucket; False: on first use only
     prefill_step_rows: int = 4096  # prompt chunks run as fixed-shape (graphed) steps up to this many padded rows; 0: off
+    # Before serving, run synthetic prompts through every rank so that the eager prompt path compiles its kernels
+    # then (cluster/warmup.py); None = where prompts take that path on a GPU (a drafter group, prefill steps off).
+    compile_warmup: bool | None = None
     uniform_steps: bool = True  # device-resident fixed-shape steps when every request is at its frontier
     pad_uniform_steps: bool | None = None  # pad them to batch buckets; None = where CUDA graphs run (tests: True)
     async_scheduling: bool | None = None  # plan decode step n+1 while n runs; None = on CUDA

@@ -99,12 +99,13 @@ def _uniform_steps(llm: LLM) -> list[int]:
 
 LAYOUTS = {
     "tp1-G1-depth3": ("partly_trained", dict(drafter_devices=1)),
-    "tp2-G2-depth3": ("partly_trained", dict(tensor_parallel_size=2, drafter_devices=2)),  # modules 0, 2 | 1
+    # modules 0, 2 | 1; warmed up as on a GPU (cluster/warmup.py): every rank runs the synthetic prompts first
+    "tp2-G2-depth3": ("partly_trained", dict(tensor_parallel_size=2, drafter_devices=2, compile_warmup=True)),
     "tp1-G2-depth2": ("two_modules", dict(drafter_devices=2)),  # k = 3 recurses on module 1's rank
     "tp1-G1-recursive": ("partly_trained", dict(drafter_devices=1, mtp_chain="recursive")),
     # Padded to batch buckets as on a GPU, where the drafter rank replays its graphs (drafter_steps.py): the
     # pad rows' results and drafts must reach no request.
-    "tp1-G1-padded": ("partly_trained", dict(drafter_devices=1, pad_uniform_steps=True)),
+    "tp1-G1-padded": ("partly_trained", dict(drafter_devices=1, pad_uniform_steps=True, compile_warmup=True)),
     # Two drafter ranks padded as on a GPU: their chain changes hands with the pad rows, and at start both run
     # every prepared shape once on pad rows, in the same order, so that their hand-overs pair up.
     "tp1-G2-padded": ("two_modules", dict(drafter_devices=2, pad_uniform_steps=True)),
@@ -128,5 +129,6 @@ def test_group_replica_takes_uniform_steps_and_matches_single_process(request: p
         assert counts[0] > 50, "most decode steps must be uniform for this test to bite"
         assert counts == [counts[0]] * len(counts), f"every rank takes the same uniform steps: {counts}"
         assert (llm.engine.num_overlapped_steps > 0) == bool(group.get("async_scheduling"))
+        assert (llm.engine.num_warmup_steps > 0) == bool(group.get("compile_warmup"))
     finally:
         llm.shutdown()

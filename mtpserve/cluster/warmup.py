@@ -1,0 +1,86 @@
+"""Compile before serving what a replica without prefill steps would otherwise compile while serving.
+
+A replica whose prompts take the eager general path (a drafter group: its prefill steps would have to hand
+their rows to the group; or `prefill_step_rows=0`) launches its Triton kernels with tiles that follow the
+prompt chunk (attention's M tile grows with the chunk's queries) and with the request's sampling features.
+Each new combination compiled inside a served step: on two H100s a lone k = 0 request in a group replica ran
+at 0.06 of the in-process engine's tok/s, target rank 0 caught compiling attention under `_run_general`
+(benchmarks/RESULTS.md, run 223). So before serving, the engine sends every rank, through its ordinary
+executor and so in the same order on all of them, a few synthetic prompts whose lengths step through every
+attention tile (and one batch of several, one sampled request with penalties and logprobs), each freed by
+the next plan. Nothing of the scheduler sees them: their blocks are taken from a pool that nothing uses yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from mtpserve.boundary.messages import NewRequest, StepPlan, StepResult
+from mtpserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mtpserve.cluster.engine_config import ResolvedConfig
+
+# Prompt lengths: 2^i + 1 crosses into the next M tile of attention for any GQA group up to 16 (the tile is the
+# next power of two of queries x heads per KV head); 250 fills 16 blocks of 16 (a block-table width that Triton
+# specialises as a multiple of 16).
+LENGTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 250)
+BATCH_LENGTHS = (3, 9, 17, 40)  # one step of several requests: attention's K/V tile follows the program count
+WARMUP_PREFIX = "__warmup"  # the synthetic requests' ids (freed before any client's request arrives)
+
+
+class _Executes(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+def wanted(r: "ResolvedConfig") -> bool:
+    """Whether this replica warms up: `compile_warmup` if set; by default where prompts take the general path
+    on a GPU (a drafter group, or prefill steps turned off) and graphs are captured at start."""
+    c = r.config
+    if c.compile_warmup is not None:
+        return c.compile_warmup
+    return r.device.type == "cuda" and c.capture_graphs_at_start and (c.drafter_devices > 0 or
+                                                                       c.prefill_step_rows == 0)
+
+
+def plans(r: "ResolvedConfig") -> list[StepPlan]:
+    """The warm-up's plans, in order: each prompt alone then freed, a batch then freed, a sampled one then freed."""
+    c, groups, vocab = r.config, 1 + r.num_mtp_modules, r.model_config.vocab_size
+    k = min(r.default_num_spec, r.num_mtp_modules)  # the group drafts from the prefill: its modules run too
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+    sampled = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2,
+                             presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True, logprobs=2,
+                             num_speculative_tokens=k)
+    fits = [n for n in LENGTHS if n + k + 1 < r.max_model_len and n <= c.max_num_batched_tokens]
+    if not fits:
+        return []
+    batches = [[(n, greedy)] for n in fits]
+    batch = [n for n in BATCH_LENGTHS if n + k + 1 < r.max_model_len][: c.max_num_seqs]
+    if sum(batch) <= c.max_num_batched_tokens:
+        batches.append([(n, greedy) for n in batch])
+    batches.append([(fits[len(fits) // 2], sampled)])
+    out: list[StepPlan] = []
+    for i, requests in enumerate(batches):
+        new, first = [], 0
+        for j, (n, params) in enumerate(requests):
+            blocks = -(-(n + k + 1) // c.block_size)
+            if first + blocks > r.num_blocks:
+                break
+            ids = list(range(first, first + blocks))
+            first += blocks
+            tokens = [(17 * t + 3) % vocab for t in range(n)]
+            new.append(NewRequest(f"{WARMUP_PREFIX}-{i}-{j}", tokens, n, params, k, seed=i, block_ids=[ids] * groups))
+        if new:
+            ids = [q.request_id for q in new]
+            out += [StepPlan(new, ids, [q.num_prompt_tokens for q in new], [0] * len(new),
+                             [[[] for _ in range(groups)] for _ in new]),
+                    StepPlan(freed_ids=ids)]
+    return out
+
+
+def run(executor: _Executes, r: "ResolvedConfig") -> int:
+    """Execute the warm-up's plans on every rank (results dropped) -> how many ran."""
+    steps = plans(r)
+    for plan in steps:
+        executor.execute(plan)
+    return len(steps)
