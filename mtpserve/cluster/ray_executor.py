@@ -53,6 +53,7 @@ class RayExecutor:
         self._resolved = resolved
         self._slowest_step = 0.0  # seconds, over every incarnation of the workers
         self._warm = False  # this incarnation of the workers finished a step (its first compiles kernels)
+        self.compiling = False  # steps sent meanwhile may compile (the engine's warm-up): the start-up timeout
         self._groups: list = []
         self._actors: list[Any] = []
         self._names: list[str] = []
@@ -184,10 +185,10 @@ class RayExecutor:
     def _await_result(self) -> StepResult:
         by_fd, fds = self._by_fd, self._fds
         started = time.monotonic()
-        # Until a step has completed, and after a worker says it captures a graph, the step may be compiling
-        # kernels: the startup timeout applies instead of the hang detector's.
-        limit = self.step_timeout_s() if self._warm else self._resolved.config.startup_timeout_s
-        may_compile = not self._warm
+        # Until a step has completed, during the engine's warm-up and after a worker says it captures a graph,
+        # the step may be compiling kernels: the startup timeout applies instead of the hang detector's.
+        may_compile = not self._warm or self.compiling
+        limit = self._resolved.config.startup_timeout_s if may_compile else self.step_timeout_s()
         while True:
             ready = select.select(fds, [], [], _POLL_S)[0]
             if not ready:

@@ -79,8 +79,17 @@ def plans(r: "ResolvedConfig") -> list[StepPlan]:
 
 
 def run(executor: _Executes, r: "ResolvedConfig") -> int:
-    """Execute the warm-up's plans on every rank (results dropped) -> how many ran."""
+    """Execute the warm-up's plans on every rank (results dropped) -> how many ran. An executor with a hang
+    detector (`compiling`) gives these steps the start-up timeout: each may compile several kernels, and none
+    says how long a serving step takes."""
     steps = plans(r)
-    for plan in steps:
-        executor.execute(plan)
+    before = getattr(executor, "compiling", None)
+    if before is not None:
+        executor.compiling = True
+    try:
+        for plan in steps:
+            executor.execute(plan)
+    finally:
+        if before is not None:
+            executor.compiling = before
     return len(steps)

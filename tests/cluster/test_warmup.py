@@ -73,3 +73,21 @@ def test_on_by_default_where_prompts_take_the_eager_path_on_a_gpu() -> None:
     assert not wanted("cpu", drafter_devices=1)  # nothing compiles there
     assert not wanted("cuda", drafter_devices=1, capture_graphs_at_start=False)  # a start kept short on purpose
     assert wanted("cpu", compile_warmup=True) and not wanted("cuda", drafter_devices=1, compile_warmup=False)
+
+
+def test_its_steps_run_under_the_start_up_timeout_of_an_executor_that_detects_hangs(partly_trained: Path) -> None:
+    """RayExecutor.compiling: each warm-up step may compile several kernels; the hang detector's limit (twice the
+    slowest step seen plus a margin) would call such a step a hung worker, as it did in run 210."""
+
+    class Recording:
+        compiling = False
+
+        def __init__(self) -> None:
+            self.seen: list[bool] = []
+
+        def execute(self, plan):
+            self.seen.append(self.compiling)
+
+    executor = Recording()
+    assert warmup.run(executor, ResolvedConfig.resolve(_config(partly_trained))) == len(executor.seen) > 0
+    assert all(executor.seen) and executor.compiling is False
