@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from mtpserve.cluster.engine_config import ResolvedConfig
 
 # Prompt lengths: 2^i + 1 crosses into the next M tile of attention for any GQA group up to 16 (the tile is the
-# next power of two of queries x heads per KV head); 250 fills 16 blocks of 16 (a block-table width that Triton
-# specialises as a multiple of 16).
-LENGTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 250)
+# next power of two of queries x heads per KV head); Triton compiles an integer argument apart where it is 1 or a
+# multiple of 16 (token counts: 1, 16, 64), and 250 fills 16 blocks of 16 (a block table's width).
+LENGTHS = (1, 2, 3, 5, 9, 16, 17, 33, 64, 65, 129, 250)
 BATCH_LENGTHS = (3, 9, 17, 40)  # one step of several requests: attention's K/V tile follows the program count
 WARMUP_PREFIX = "__warmup"  # the synthetic requests' ids (freed before any client's request arrives)
 

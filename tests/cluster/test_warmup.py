@@ -39,6 +39,7 @@ def test_the_plans_step_through_attentions_tiles_and_free_every_request(partly_t
     plans = warmup.plans(r)
     lengths = [p.num_tokens[0] for p in plans if len(p.req_ids) == 1]
     assert lengths[: len(warmup.LENGTHS) - 1] == [n for n in warmup.LENGTHS if n + 4 < 200]  # 250 does not fit
+    assert {1, 16, 17} <= set(lengths)  # Triton's integer classes: 1, multiples of 16, the rest
     assert any(len(p.req_ids) > 1 for p in plans), "one step of several requests"
     assert any(q.params.temperature > 0 and q.params.logprobs for p in plans for q in p.new_requests)
     for run, free in zip(plans[::2], plans[1::2]):  # every step of new requests, then a step freeing them
