@@ -45,8 +45,21 @@ def wanted(r: "ResolvedConfig") -> bool:
 
 def plans(r: "ResolvedConfig") -> list[StepPlan]:
     """The warm-up's plans, in order: each prompt alone then freed, a batch then freed, a sampled one then freed."""
-    c, groups, vocab = r.config, 1 + r.num_mtp_modules, r.model_config.vocab_size
     k = min(r.default_num_spec, r.num_mtp_modules)  # the group drafts from the prefill: its modules run too
+    out: list[StepPlan] = []
+    for i, requests in enumerate(_batches(r, k)):
+        new = _new_requests(r, k, i, requests)
+        if new:
+            ids, groups = [q.request_id for q in new], 1 + r.num_mtp_modules
+            out += [StepPlan(new, ids, [q.num_prompt_tokens for q in new], [0] * len(new),
+                             [[[] for _ in range(groups)] for _ in new]),
+                    StepPlan(freed_ids=ids)]
+    return out
+
+
+def _batches(r: "ResolvedConfig", k: int) -> list[list[tuple[int, SamplingParams]]]:
+    """Each step's requests as (prompt length, sampling), within the context and the step's token budget."""
+    c = r.config
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
     sampled = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2,
                              presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True, logprobs=2,
@@ -58,24 +71,23 @@ def plans(r: "ResolvedConfig") -> list[StepPlan]:
     batch = [n for n in BATCH_LENGTHS if n + k + 1 < r.max_model_len][: c.max_num_seqs]
     if sum(batch) <= c.max_num_batched_tokens:
         batches.append([(n, greedy) for n in batch])
-    batches.append([(fits[len(fits) // 2], sampled)])
-    out: list[StepPlan] = []
-    for i, requests in enumerate(batches):
-        new, first = [], 0
-        for j, (n, params) in enumerate(requests):
-            blocks = -(-(n + k + 1) // c.block_size)
-            if first + blocks > r.num_blocks:
-                break
-            ids = list(range(first, first + blocks))
-            first += blocks
-            tokens = [(17 * t + 3) % vocab for t in range(n)]
-            new.append(NewRequest(f"{WARMUP_PREFIX}-{i}-{j}", tokens, n, params, k, seed=i, block_ids=[ids] * groups))
-        if new:
-            ids = [q.request_id for q in new]
-            out += [StepPlan(new, ids, [q.num_prompt_tokens for q in new], [0] * len(new),
-                             [[[] for _ in range(groups)] for _ in new]),
-                    StepPlan(freed_ids=ids)]
-    return out
+    return batches + [[(fits[len(fits) // 2], sampled)]]
+
+
+def _new_requests(r: "ResolvedConfig", k: int, step: int, requests: list[tuple[int, SamplingParams]]
+                  ) -> list[NewRequest]:
+    """One step's synthetic requests, each on its own blocks (the same ids in every KV group) from block 0 up;
+    those past the pool are left out."""
+    new, first, vocab = [], 0, r.model_config.vocab_size
+    for j, (n, params) in enumerate(requests):
+        blocks = -(-(n + k + 1) // r.config.block_size)  # the prompt and its first step's drafts
+        if first + blocks > r.num_blocks:
+            break
+        tokens = [(17 * t + 3) % vocab for t in range(n)]
+        new.append(NewRequest(f"{WARMUP_PREFIX}-{step}-{j}", tokens, n, params, k, seed=step,
+                              block_ids=[list(range(first, first + blocks))] * (1 + r.num_mtp_modules)))
+        first += blocks
+    return new
 
 
 def run(executor: _Executes, r: "ResolvedConfig") -> int:
