@@ -56,7 +56,7 @@ def variants(q: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, tables:
     out: dict[str, Attend] = {}
     for st in stages:
         for w in warps:
-            tag = "" if len(stages) == 1 and len(warps) == 1 else f" s{st} w{w or 'default'}"
+            tag = "" if stages == [2] and warps == [None] else f" s{st} w{w or 'default'}"  # the wrappers' own
             for bn in (32, 64, 128):
                 out[f"one-pass bn{bn}{tag}"] = lambda k, v, bn=bn, st=st, w=w: paged_attention(
                     q, k, v, qsl, seq_lens, tables, window, seq, scale, block_n=bn, num_stages=st, num_warps=w)
@@ -104,7 +104,7 @@ def run_case(args: argparse.Namespace, batch: int, window: int, context: int, ba
     default = f"split {splits}" if splits > 1 else f"one-pass bn{tile}"
     stages = common.parse_ints(args.stages)
     warps = [w or None for w in common.parse_ints(args.warps)] if args.warps else [None]  # 0: the wrapper's
-    if len(stages) > 1 or len(warps) > 1:
+    if stages != [2] or warps != [None]:  # named with its pipelining: marked only where the sweep has it
         default += " s2 wdefault"
     cells = []
     for name, attend in variants(q, qsl, seq_lens, tables, window, seq, common.parse_ints(args.splits), stages,

@@ -62,8 +62,6 @@ class LLMEngine:
         self.model_config = r.model_config
         self.tokenizer = Tokenizer.from_checkpoint(r.model_path)
         self.executor = executor or r.make_executor()
-        # Synthetic prompts through every rank before serving (cluster/warmup.py): steps the scheduler never sees.
-        self.num_warmup_steps = warmup.run(self.executor, r) if warmup.wanted(r) else 0
         self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size,
                                      enable_caching=config.enable_prefix_caching)
         self.adaptive = AdaptiveSpec(AdaptiveConfig(r.max_auto_spec, config.max_num_seqs)) if r.adaptive else None
@@ -89,6 +87,13 @@ class LLMEngine:
         self.faults = FaultBudget(config.max_faults, config.fault_window_s)
         self.recoveries: list[RecoveryEvent] = []  # recovered worker faults, for whoever reports them
         self.on_serving: Callable[[bool], None] | None = None  # told when a recovery starts and ends
+        self.num_warmup_steps = 0  # synthetic steps run before serving (cluster/warmup.py), recoveries' included
+        if warmup.wanted(r):
+            try:
+                self._warm_up()
+            except BaseException:  # the workers, their GPUs and placement groups go with the failed start
+                self.executor.shutdown()
+                raise
         freeze_startup_heap()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -149,6 +154,8 @@ class LLMEngine:
             self._in_flight = None  # its result is gone with the worker; the requeued requests redo it
             self.recoveries.append(recover(self.executor, lambda: len(self.scheduler.requeue_running()),
                                            self.faults, str(e), self.on_serving))
+            if warmup.wanted(self.resolved):  # the new workers compile before they serve, as the first ones did
+                self._warm_up()
             outputs, self._aborted = self._aborted, []
             return outputs
 
@@ -162,6 +169,17 @@ class LLMEngine:
         # synchronously did its work inside the previous lap, and a lap after it can be a few microseconds.
         steady = not self._async or (done.overlapped and following is not None)
         return self._postprocess(done.plan, result, done.stats, steady)
+
+    def _warm_up(self) -> None:
+        """Synthetic prompts through every rank (cluster/warmup.py). A worker lost meanwhile is replaced within the
+        fault budget, and the new workers warm up in turn (past the budget: ReplicaFailed)."""
+        while True:
+            try:
+                self.num_warmup_steps += warmup.run(self.executor, self.resolved)
+                return
+            except WorkerLost as e:
+                self.recoveries.append(recover(self.executor, lambda: 0, self.faults, f"warm-up: {e}",
+                                               self.on_serving))
 
     def _timed(self, which: int, call: Callable[[Any], Any], arg: Any) -> Any:
         """call(arg), its seconds added to _executor_seconds[which] (0: launching, 1: waiting)."""

@@ -210,7 +210,9 @@ class RayExecutor:
                 if msg[0] == "result":
                     if not may_compile:  # a step that compiled says nothing of how long serving steps take
                         self._slowest_step = max(self._slowest_step, time.monotonic() - started)
-                    self._warm = True
+                    # The warm-up's steps leave the first served step the start-up timeout: what the warm-up did
+                    # not compile (a sampling feature, a tile it missed) it may still compile.
+                    self._warm = self._warm or not self.compiling
                     return msg[1]
                 if msg[0] == "error":
                     self._fail(f"{msg[1]} failed during a step:\n{msg[2]}")

@@ -35,17 +35,19 @@ class _Executes(Protocol):
 
 def wanted(r: "ResolvedConfig") -> bool:
     """Whether this replica warms up: `compile_warmup` if set; by default where prompts take the general path
-    on a GPU (a drafter group, or prefill steps turned off) and graphs are captured at start."""
+    on a GPU (a drafter group, prefill or uniform steps turned off) and graphs are captured at start."""
     c = r.config
     if c.compile_warmup is not None:
         return c.compile_warmup
-    return r.device.type == "cuda" and c.capture_graphs_at_start and (c.drafter_devices > 0 or
-                                                                       c.prefill_step_rows == 0)
+    eager_prompts = c.drafter_devices > 0 or c.prefill_step_rows == 0 or not c.uniform_steps
+    return r.device.type == "cuda" and c.capture_graphs_at_start and eager_prompts
 
 
 def plans(r: "ResolvedConfig") -> list[StepPlan]:
     """The warm-up's plans, in order: each prompt alone then freed, a batch then freed, a sampled one then freed."""
-    k = min(r.default_num_spec, r.num_mtp_modules)  # the group drafts from the prefill: its modules run too
+    # The replica's default k (a drafter group's "auto" drafts its upper bound): the chain drafts from the prefill,
+    # past the last module too where it recurses.
+    k = r.default_num_spec if r.num_mtp_modules else 0
     out: list[StepPlan] = []
     for i, requests in enumerate(_batches(r, k)):
         new = _new_requests(r, k, i, requests)

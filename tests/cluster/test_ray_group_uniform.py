@@ -102,7 +102,7 @@ LAYOUTS = {
     # modules 0, 2 | 1; warmed up as on a GPU (cluster/warmup.py): every rank runs the synthetic prompts first
     "tp2-G2-depth3": ("partly_trained", dict(tensor_parallel_size=2, drafter_devices=2, compile_warmup=True)),
     "tp1-G2-depth2": ("two_modules", dict(drafter_devices=2)),  # k = 3 recurses on module 1's rank
-    "tp1-G1-recursive": ("partly_trained", dict(drafter_devices=1, mtp_chain="recursive")),
+    "tp1-G1-recursive": ("partly_trained", dict(drafter_devices=1, mtp_chain="recursive", compile_warmup=True)),
     # Padded to batch buckets as on a GPU, where the drafter rank replays its graphs (drafter_steps.py): the
     # pad rows' results and drafts must reach no request.
     "tp1-G1-padded": ("partly_trained", dict(drafter_devices=1, pad_uniform_steps=True, compile_warmup=True)),

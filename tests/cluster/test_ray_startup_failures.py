@@ -16,7 +16,7 @@ import torch
 from ray.util import placement_group_table
 
 from mtpserve import LLM
-from mtpserve.errors import CheckpointError, DeploymentError
+from mtpserve.errors import CheckpointError, DeploymentError, ReplicaFailed
 from tests.checkpoints import make_hf_checkpoint
 from tests.cluster.ray_helpers import start_local_ray
 
@@ -108,3 +108,13 @@ def test_a_driver_without_gpus_must_be_told_the_kv_size(ckpt: Path) -> None:
         pytest.skip("this driver has a GPU to size the KV cache from")
     with pytest.raises(ValueError, match=r"num_kv_blocks: this process has no GPU"):
         LLM(str(ckpt), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_worker_that_dies_in_every_warm_up_ends_the_start_and_leaves_nothing(ckpt: Path, local_ray,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile warm-up (cluster/warmup.py) is the first step with requests of every incarnation of the workers:
+    each dies there, is replaced within the fault budget, and past it the start fails with the workers stopped."""
+    monkeypatch.setenv("MTPSERVE_TEST_FAULT", "drafter:1:step")
+    with pytest.raises(ReplicaFailed, match=r"after 2 worker faults.*warm-up: "):
+        LLM(str(ckpt), drafter_devices=1, compile_warmup=True, max_faults=2, startup_timeout_s=120)
+    _no_leftovers()

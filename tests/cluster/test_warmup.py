@@ -3,14 +3,21 @@ no trace in what the replica then serves. The group layouts run it too (test_ray
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from mtpserve.boundary.channel import Channel
+from mtpserve.boundary.messages import StepResult
 from mtpserve.cluster import warmup
 from mtpserve.cluster.engine import LLMEngine
 from mtpserve.cluster.engine_config import EngineConfig, ResolvedConfig
+from mtpserve.errors import WorkerLost
 from mtpserve.sampling_params import SamplingParams
 from tests.conftest import prompts_of
 
@@ -50,6 +57,9 @@ def test_the_plans_step_through_attentions_tiles_and_free_every_request(partly_t
         for q in run.new_requests:  # room for the prompt and the drafts of its first step, in every KV group
             assert len(q.block_ids) == 1 + r.num_mtp_modules
             assert len(q.block_ids[0]) * r.config.block_size >= q.num_prompt_tokens + q.num_spec + 1
+    # The replica's own k, past its modules where the chain recurses (one module, three drafts).
+    recursive = ResolvedConfig.resolve(_config(partly_trained, mtp_chain="recursive"))
+    assert {q.num_spec for p in warmup.plans(recursive) for q in p.new_requests} == {3}
 
 
 def test_warmed_up_replica_serves_the_same_tokens_and_keeps_no_synthetic_request(partly_trained: Path) -> None:
@@ -70,6 +80,7 @@ def test_on_by_default_where_prompts_take_the_eager_path_on_a_gpu() -> None:
         return warmup.wanted(SimpleNamespace(config=EngineConfig(**overrides), device=torch.device(device)))
 
     assert wanted("cuda", drafter_devices=1) and wanted("cuda", prefill_step_rows=0)
+    assert wanted("cuda", uniform_steps=False)  # no prefill steps without uniform steps either
     assert not wanted("cuda") and not wanted("cuda", tensor_parallel_size=2)  # prefill steps: captured at start
     assert not wanted("cpu", drafter_devices=1)  # nothing compiles there
     assert not wanted("cuda", drafter_devices=1, capture_graphs_at_start=False)  # a start kept short on purpose
@@ -92,3 +103,37 @@ def test_its_steps_run_under_the_start_up_timeout_of_an_executor_that_detects_ha
     executor = Recording()
     assert warmup.run(executor, ResolvedConfig.resolve(_config(partly_trained))) == len(executor.seen) > 0
     assert all(executor.seen) and executor.compiling is False
+
+
+def _executor_answering_after(seconds: float, warm: bool, compiling: bool):
+    """A RayExecutor (its step-result wait only) whose one worker answers the next step after `seconds`, with a hang
+    detector that allows 0.05 s a step once warm (and looks every 0.5 s); -> (executor, the pending answer)."""
+    from mtpserve.cluster.ray_executor import RayExecutor
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    worker = Channel(socket.create_connection(listener.getsockname()))
+    driver = Channel(listener.accept()[0])
+    listener.close()
+    ex = object.__new__(RayExecutor)
+    ex._by_fd, ex._fds = {driver.fileno(): (driver, "target worker (rank 0)")}, [driver.fileno()]
+    ex._resolved = SimpleNamespace(config=SimpleNamespace(startup_timeout_s=30.0, step_timeout_s=0.05,
+                                                          step_timeout_margin_s=0.0))
+    ex._warm, ex.compiling, ex._slowest_step = warm, compiling, 0.0
+    ex._check_alive = lambda: None
+    answer = threading.Timer(seconds, lambda: worker.send(("result", StepResult())))
+    answer.start()
+    return ex, answer
+
+
+def test_a_warm_up_step_may_outlast_the_hang_detector_and_leaves_the_start_up_regime_on() -> None:
+    ex, _ = _executor_answering_after(0.7, warm=False, compiling=True)
+    assert isinstance(ex._await_result(), StepResult)
+    assert not ex._warm and ex._slowest_step == 0.0  # the first served step may still compile; nothing was timed
+    ex, _ = _executor_answering_after(0.7, warm=True, compiling=True)  # a recovery's warm-up
+    ex._await_result()
+    ex, answer = _executor_answering_after(2.0, warm=True, compiling=False)  # a served step as long: a hung worker
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost, match="ran past the step timeout"):
+        ex._await_result()
+    assert time.monotonic() - t0 < 2.0
+    answer.cancel()
