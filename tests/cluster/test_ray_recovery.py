@@ -23,6 +23,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mtpserve import SamplingParams
+from mtpserve.cluster import warmup
 from mtpserve.cluster.client import Client, build_request
 from mtpserve.cluster.engine_config import EngineConfig
 from mtpserve.cluster.router import RETRY_METADATA_KEY
@@ -181,12 +182,16 @@ def test_streams_survive_a_lost_worker(server: ServerThread, reference: list, he
 
 def test_an_overlapped_replica_survives_a_lost_worker(partly_trained: Path, reference: list) -> None:
     """Steps overlapped on Ray (step n + 1 launched before step n's result is read, the default on CUDA):
-    the worker dies with a step in flight and one held; the resumed streams still equal the reference."""
-    srv = start(partly_trained, use_ray=True, async_scheduling=True, max_faults=10)
+    the worker dies with a step in flight and one held; the resumed streams still equal the reference. Warmed up
+    (cluster/warmup.py), the replacement worker runs the warm-up again before it serves."""
+    srv = start(partly_trained, use_ray=True, async_scheduling=True, max_faults=10, compile_warmup=True)
     try:
         outs = run_streams(srv, kill(srv, "target worker (rank 0)"))
         assert outs == reference
         assert srv.replica.engine_loop.call(lambda e: e.num_overlapped_steps).result(30) > 0
+        warmed = srv.replica.engine_loop.call(lambda e: (e.num_warmup_steps, len(warmup.plans(e.resolved))))
+        steps, per_start = warmed.result(30)
+        assert steps == 2 * per_start > 0, "at start and after the recovery"
         assert metric(srv, "mtpserve_worker_restarts_total") == 1
         assert engine_idle(srv) == (True, 0)
     finally:
