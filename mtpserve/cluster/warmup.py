@@ -8,7 +8,8 @@ at 0.06 of the in-process engine's tok/s, target rank 0 caught compiling attenti
 (benchmarks/RESULTS.md, run 223). So before serving, the engine sends every rank, through its ordinary
 executor and so in the same order on all of them, a few synthetic prompts whose lengths step through every
 attention tile (and one batch of several, one sampled request with penalties and logprobs), each freed by
-the next plan. Nothing of the scheduler sees them: their blocks are taken from a pool that nothing uses yet.
+the next plan. Nothing of the scheduler sees them: their blocks are taken from a pool that nothing uses yet
+(at start; after a recovery, which freed every block and forgot the prefix cache, the new workers warm up too).
 """
 
 from __future__ import annotations
