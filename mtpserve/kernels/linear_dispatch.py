@@ -46,7 +46,7 @@ ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise stays with cuBLAS
 # Bump when skinny_gemm or the measurement changes what a stored choice means: caches of another revision
 # (or another torch or triton) are ignored.
-CACHE_REVISION = 4
+CACHE_REVISION = 3
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     A serving process has given most of its memory to KV pools: a shape whose copies do not fit is left
     to cuBLAS."""
     from mtpserve.kernels.rmsnorm import rms_norm
-    from mtpserve.kernels.skinny_gemm import candidate_configs, num_sms, skinny_gemm
+    from mtpserve.kernels.skinny_gemm import block_m, candidate_configs, num_sms, skinny_gemm
 
     (rows, k), n = x.shape, weight.shape[0]
     l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
@@ -233,7 +233,7 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         return Choice((), float("inf"), 0.0)
     best: tuple[float, tuple[int, ...]] | None = None
     for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
-        tile = (tuple(cfg.as_list()), cfg.rows_per_tile(rows))
+        tile = (tuple(cfg.as_list()), block_m(rows))
         if tile in _unfit:
             continue
         try:

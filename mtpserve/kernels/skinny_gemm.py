@@ -5,8 +5,7 @@ product reads every weight once and does little arithmetic per byte, so the kern
 the weight stream, not around the MMA:
   * swap-AB: a program owns a BLOCK_N strip of w as the MMA's wide side and all (up to BLOCK_M) rows
     of x as the narrow side, acc [BLOCK_N, BLOCK_M] = sum_k w[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M].
-    tl.dot needs 16 on every side, so M pads to 16 / 32 / 64, or 128 for the wide tiles past 64 rows
-    (masked loads: no copy of x).
+    tl.dot needs 16 on every side, so M pads to 16 / 32 / 64 (masked loads: no copy of x).
   * M above BLOCK_M: the m-tile is the fastest grid axis, so the tiles that read one w strip run side
     by side and all but the first read it from L2.
   * split-K when N / BLOCK_N strips cannot fill the SMs (a 4096-wide output is 64 strips of 64 on
@@ -40,13 +39,9 @@ class SkinnyConfig:
     split: int  # programs per strip along K (1: no partials, no second kernel)
     num_warps: int
     num_stages: int
-    block_m: int = 0  # rows of x per program; 0: block_m(M), at most 64
 
     def as_list(self) -> list[int]:
-        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages, self.block_m]
-
-    def rows_per_tile(self, m: int) -> int:
-        return self.block_m or block_m(m)
+        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages]
 
 
 # The tile shapes tried per (M bucket, N, K): few on purpose, each one is a compile per M tile (and per
@@ -56,11 +51,6 @@ class SkinnyConfig:
 # stages reached 78 % and cuBLAS 75 % (H100, a sweep of 72 tiles in session L); tiles of 128 rows, 256
 # weight rows or other stage counts won nowhere in that sweep.
 TILES = ((64, 128, 4, 4), (64, 128, 4, 5), (128, 128, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3))
-# Past 64 rows, tiles that hold 128 rows of x: with 64, every w strip is read twice (the second time from
-# L2) and x once per strip, so at 128 rows a 64-wide strip moved twice its weight bytes in x alone.
-# (block_n, block_k, num_warps, num_stages) at BLOCK_M 128; each stage at most 48 KB.
-WIDE_TILES = ((64, 128, 4, 4), (128, 64, 8, 5), (128, 128, 8, 3), (256, 64, 8, 4))
-WIDE_M = 128
 
 
 def block_m(m: int) -> int:
@@ -73,10 +63,9 @@ def m_bucket(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def split_for(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int, rows: int = 0) -> int:
-    """Smallest power-of-two split that gives every SM a program, keeping >= 4 K tiles per program (rows: x rows
-    per program, 0 for block_m(m))."""
-    programs = triton.cdiv(m, rows or block_m(m)) * triton.cdiv(n, block_n)
+def split_for(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Smallest power-of-two split that gives every SM a program, keeping >= 4 K tiles per program."""
+    programs = triton.cdiv(m, block_m(m)) * triton.cdiv(n, block_n)
     split = 1
     while programs * split < num_sms and triton.cdiv(k, 2 * split * block_k) >= 4 and split < 8:
         split *= 2
@@ -91,12 +80,11 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig
     64 (no split) (H100, 2026-11-28), and the fill rule never offered split 2 for 64 strips. The split is a
     runtime argument: it adds no compile beyond split-or-not."""
     out = []
-    tiles = [(t, 0) for t in TILES] + ([(t, WIDE_M) for t in WIDE_TILES] if m > 64 else [])
-    for (bn, bk, warps, stages), rows in tiles:
-        fill = split_for(m, n, k, bn, bk, num_sms, rows)
+    for bn, bk, warps, stages in TILES:
+        fill = split_for(m, n, k, bn, bk, num_sms)
         double = [2 * fill] if fill > 1 and triton.cdiv(k, 2 * fill * bk) >= 4 else []
         half = [fill // 2] if fill >= 4 else []
-        out += [SkinnyConfig(bn, bk, split, warps, stages, rows) for split in sorted({1, *half, fill, *double})]
+        out += [SkinnyConfig(bn, bk, split, warps, stages) for split in sorted({1, *half, fill, *double})]
     return out
 
 
@@ -221,7 +209,7 @@ def skinny_gemm(
     if k == 0:  # an empty sum: no tile to peel, no split to make
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     cfg = config or default_config(m, n, k, num_sms(x.device))
-    bm = cfg.rows_per_tile(m)
+    bm = block_m(m)
     tiles = triton.cdiv(k, cfg.block_k)
     k_tiles = triton.cdiv(tiles, cfg.split)  # the last split may get fewer
     splits = triton.cdiv(tiles, k_tiles)  # each with at least one tile: the kernel peels it

@@ -27,7 +27,7 @@ def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
 
 
-# (M, N, K, config as (block_n, block_k, split, warps, stages[, block_m]) or None for the default)
+# (M, N, K, config as (block_n, block_k, split, warps, stages) or None for the default)
 CASES = {
     "m1-default": (1, 96, 128, None),
     "m5-odd-n-odd-k": (5, 50, 100, (32, 32, 1, 4, 1)),
@@ -35,8 +35,6 @@ CASES = {
     "m17-split3-ragged-k": (17, 33, 200, (16, 32, 3, 4, 1)),
     "m33-split4-uneven": (33, 40, 96, (16, 16, 4, 4, 1)),  # 6 K tiles in splits of 2: only 3 splits run
     "m70-two-m-tiles": (70, 24, 48, (16, 16, 2, 4, 1)),
-    "m100-one-wide-tile": (100, 40, 96, (16, 32, 2, 4, 1, 128)),  # 128 rows per program: 28 masked
-    "m200-two-wide-tiles": (200, 24, 64, (16, 16, 1, 4, 1, 128)),
 }
 
 
@@ -119,10 +117,4 @@ def test_split_fills_the_sms_and_keeps_k_tiles():
     assert {c.split for c in configs if c.block_n == 64 and c.block_k == 128} == {1, 2, 4, 8}
     assert {c.split for c in configs if c.block_n == 32} == {1, 2, 4}  # a fill of 2 has no half but 1
     assert {c.split for c in candidate_configs(1, 128256, 4096, 132)} == {1}
-    # Past 64 rows the wide tiles join (a program holds 128 rows), their split filled for their own programs
-    assert {c.block_m for c in candidate_configs(64, 4096, 4096, 132)} == {0}
-    wide = [c for c in candidate_configs(128, 6144, 4096, 132) if c.block_m == 128]
-    assert {c.block_n for c in wide} == {64, 128, 256}
-    assert split_for(128, 6144, 4096, 256, 64, 132, rows=128) == 8  # 24 strips, one program each: 8 fill 192
-    assert split_for(128, 6144, 4096, 256, 64, 132) == 4  # two 64-row programs a strip: 4 fill 192
 
