@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="graph replays timed (median)")
     p.add_argument("--bandwidth-gb", type=float, default=4.0, help="size of the copy that measures bandwidth")
     p.add_argument("--table-out", type=Path, default=None, help="write the dispatch table (JSON) here")
+    p.add_argument("--show-candidates", action="store_true", help="print every candidate config's time (a sweep)")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
                          rows="1,4,16,33", calls=2, warmup=1, iters=2, bandwidth_gb=0.05)
@@ -107,6 +108,8 @@ def bucket_configs(xs: dict[int, torch.Tensor], ws: list[torch.Tensor], device: 
             except Exception as exc:  # e.g. OutOfResources (shared memory) on a smaller GPU
                 print(f"config {cfg.as_list()} skipped for {(n, k)} at M={m}: {exc!r}")
                 continue
+            if args.show_candidates:
+                print(f"  candidate N {n} K {k} M {m} {'x'.join(map(str, cfg.as_list()))}: {us:.1f} us")
             best = (us, cfg) if best is None or us < best[0] else best
         check(best is not None, f"no skinny config ran for {(n, k)} at M={m}")
         out[b] = best[1]
