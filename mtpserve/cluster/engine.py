@@ -64,7 +64,8 @@ class LLMEngine:
         self.executor = executor or r.make_executor()
         self.blocks = KVBlockManager(1 + r.num_mtp_modules, r.num_blocks, config.block_size,
                                      enable_caching=config.enable_prefix_caching)
-        self.adaptive = AdaptiveSpec(AdaptiveConfig(r.max_auto_spec, config.max_num_seqs)) if r.adaptive else None
+        self.adaptive = (AdaptiveSpec(AdaptiveConfig(r.max_auto_spec, config.max_num_seqs, modules=r.num_mtp_modules))
+                         if r.adaptive else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, r.num_mtp_modules, config.mtp_chain,
                             config.prefill_hold_steps),

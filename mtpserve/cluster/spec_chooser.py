@@ -54,6 +54,10 @@ class AdaptiveConfig:
     # it held every later request at k = 0 for good, though acceptance had risen (simulated, 0.1 a position for
     # eight requests and then 0.8: 0.74 of the best k's rate without probes, 0.96 with them).
     probe_after: int = 256
+    # The MTP modules (None: max_k). A k past them runs the last module again (the chain recurses), so going from
+    # such a k to k - 1 and back leaves no module behind to catch up: there the chooser also probes k - 1 for one
+    # dwell where a bucket's host line has seen its k alone for a while (see _probe_down).
+    modules: int | None = None
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
@@ -192,6 +196,8 @@ class AdaptiveSpec:
             current = self.k if self._probed_from < 0 else self._probed_from  # a probe lasts one dwell
             k = self._explore(choose_k(gains, base, floor, costs, current, self.config.hysteresis), rows.size)
             probe = self._probe_up(k, gains)
+            if probe == k:
+                probe = self._probe_down(k, rows.size)
             self._probed_from = k if probe != k else -1
             k = probe
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
@@ -258,6 +264,20 @@ class AdaptiveSpec:
             return k
         t.drafted_at[k] = t.now
         return k + 1
+
+    def _probe_down(self, k: int, batch: int) -> int:
+        """k - 1 for one dwell where the choice stays at a k past the modules and the bucket's host line has seen
+        k alone for HOST_WINDOW / 2 samples (probe_after once it has drawn a draft's price): a window of one k
+        cannot draw what a draft costs the host, which then priced every k at the host level of its own. At
+        c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster, greedy (run 214), and on
+        k = 4 where k = 1 ran 10 % faster at T = 1 (run 205). Where the chain does not recurse, k - 1 would
+        leave module k - 1 behind, and every request would be caught up when k rose again: no probe there."""
+        modules = self.config.max_k if self.config.modules is None else self.config.modules
+        if k != self.k or k <= modules:
+            return k
+        costs = self.costs
+        due = self.config.probe_after if costs.drew_per_draft[costs.bucket(batch)] else costs.HOST_WINDOW // 2
+        return k - 1 if costs.one_k_run(batch, k) >= due else k
 
     def estimates(self) -> list[float]:
         """The engine-wide acceptance estimate per draft position (for metrics), as of the last fold: at

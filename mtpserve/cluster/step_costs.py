@@ -84,6 +84,8 @@ class StepCosts:
         self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1)).tolist()
         self._slopes = [(0.0, 0.0)] * nb  # per bucket, (b, c) of its last fit (see _host_fit)
         self._fitted_at = [0] * nb  # host_samples at that fit
+        self.k_seen = [[0] * (max_k + 1) for _ in range(nb)]  # per (bucket, k): host_samples at its last sample
+        self.drew_per_draft = [False] * nb  # whether a window of the bucket ever held two k (c drawn)
 
     def bucket(self, batch: int) -> int:
         return self._bucket_of[min(batch, len(self._bucket_of) - 1)]
@@ -98,6 +100,7 @@ class StepCosts:
         self.modes[greedy].observe(b, k, device)
         self.host_recent[b].append((host / per, tokens / per, k))
         self.host_samples[b] += 1
+        self.k_seen[b][k] = self.host_samples[b]
         self.overlapped = overlapped
         if overlapped and lap > 0:
             bound = lap - host > self.DEVICE_BOUND * lap
@@ -178,6 +181,12 @@ class StepCosts:
         a, slope, _, median = self._host_fit(batch)
         return a, slope, median
 
+    def one_k_run(self, batch: int, k: int) -> int:
+        """Host samples in a row this batch's bucket has taken at k alone (all of them where it never saw another
+        k): a window that holds one k cannot draw the host's price of a draft (see host_draft_slopes)."""
+        b = self.bucket(batch)
+        return self.host_samples[b] - max((n for j, n in enumerate(self.k_seen[b]) if j != k), default=0)
+
     def host_per_draft(self, batch: int) -> float:
         """The host's seconds per request and draft in this batch's bucket, beyond what its tokens cost."""
         return self._host_fit(batch)[2]
@@ -221,6 +230,7 @@ class StepCosts:
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
         slope, per_draft = _host_slopes(seconds, emitted, ks, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
+        self.drew_per_draft[b] |= per_draft is not None
         self.host_draft_slopes[b] = per_draft = self.host_draft_slopes[b] if per_draft is None else per_draft
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
