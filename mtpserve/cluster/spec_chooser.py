@@ -109,7 +109,7 @@ class AdaptiveSpec:
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self.acceptance = AcceptanceTable(config)
-        self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost)
+        self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost, config.modules)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
         self._chosen = [0] * (config.max_k + 1)  # steps planned at each k (a list: a numpy element += every
@@ -276,7 +276,7 @@ class AdaptiveSpec:
         if k != self.k or k <= modules:
             return k
         costs = self.costs
-        due = self.config.probe_after if costs.drew_per_draft[costs.bucket(batch)] else costs.HOST_WINDOW // 2
+        due = self.config.probe_after if costs.knows_recursion(batch) else costs.HOST_WINDOW // 2
         return k - 1 if costs.one_k_run(batch, k) >= due else k
 
     def estimates(self) -> list[float]:

@@ -58,8 +58,10 @@ class StepCosts:
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
 
-    def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12) -> None:
+    def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12,
+                 modules: int | None = None) -> None:
         self.max_k, self.window = max_k, window
+        self.modules = max_k if modules is None else modules  # MTP modules: past them a draft recurses on the last
         self.buckets = np.array(batch_buckets(max_rows))
         self._sizes = self.buckets.tolist()
         nb = len(self._sizes)
@@ -76,16 +78,20 @@ class StepCosts:
         # k itself. At T = 1 on the H100 a step grew 5 us a request and draft at c = 128 and 256 beyond its
         # tokens' price, and priced by tokens alone k = 4 looked best where k = 2 ran 15 % faster (run 124).
         self.host_draft_slopes = [0.0] * nb
+        # Per bucket, the host's price per request of a draft past the modules, where a window that held only k's
+        # at or past them drew it (auto probing k - 1 there, spec_chooser._probe_down); None: as any draft. Such a
+        # draft reruns the last module (no KV group of its own): its price says nothing of a draft below the
+        # modules, and extrapolated there it sent auto at T = 1, c = 256 from k = 4 to k = 1 (H100, run 227).
+        self.host_recursion_slopes: list[float | None] = [None] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
         self.gap_samples = [0] * nb
         # Per (bucket, k), whether each of its recent overlapped laps was device-bound.
         self.k_laps = [[deque(maxlen=self.K_LAPS) for _ in range(max_k + 1)] for _ in range(nb)]
         self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1)).tolist()
-        self._slopes = [(0.0, 0.0)] * nb  # per bucket, (b, c) of its last fit (see _host_fit)
+        self._slopes = [(0.0, 0.0, 0.0)] * nb  # per bucket, (b, c, c past the modules) of its last fit
         self._fitted_at = [0] * nb  # host_samples at that fit
         self.k_seen = [[0] * (max_k + 1) for _ in range(nb)]  # per (bucket, k): host_samples at its last sample
-        self.drew_per_draft = [False] * nb  # whether a window of the bucket ever held two k (c drawn)
 
     def bucket(self, batch: int) -> int:
         return self._bucket_of[min(batch, len(self._bucket_of) - 1)]
@@ -170,10 +176,9 @@ class StepCosts:
 
     def _host(self, batch: int, tokens: np.ndarray | list[float]) -> list[float]:
         """host() at tokens[k] emitted by a step of k drafts, k = 0.."""
-        a, slope, per_draft, _ = self._host_fit(batch)
-        per_draft *= batch
+        a, slope, price, _ = self._host_fit(batch)
         emitted = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
-        return [max(a + slope * t + per_draft * k, 0.0) for k, t in enumerate(emitted)]
+        return [max(a + slope * t + batch * price[k], 0.0) for k, t in enumerate(emitted)]
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
         """(a, b, median) of the host's share of a step of `batch` requests at k = 0: seconds = a + b * tokens
@@ -187,12 +192,22 @@ class StepCosts:
         b = self.bucket(batch)
         return self.host_samples[b] - max((n for j, n in enumerate(self.k_seen[b]) if j != k), default=0)
 
+    def knows_recursion(self, batch: int) -> bool:
+        """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
+        return self.host_recursion_slopes[self.bucket(batch)] is not None
+
     def host_per_draft(self, batch: int) -> float:
         """The host's seconds per request and draft in this batch's bucket, beyond what its tokens cost."""
-        return self._host_fit(batch)[2]
+        return self._host_fit(batch)[2][min(1, self.max_k)]
 
-    def _host_fit(self, batch: int) -> tuple[float, float, float, float]:
-        """(a, b, c, median): seconds = a + b * tokens + c * batch * k. The line is drawn per request
+    def _draft_price(self, per_draft: float, recursion: float) -> list[float]:
+        """[K + 1] the host's seconds per request for k drafts: per_draft each up to the modules, recursion past."""
+        m = self.modules
+        return [per_draft * min(k, m) + recursion * max(k - m, 0) for k in range(self.max_k + 1)]
+
+    def _host_fit(self, batch: int) -> tuple[float, float, list[float], float]:
+        """(a, b, price, median): seconds = a + b * tokens + batch * price[k], price[k] = c * k (c past the
+        modules where drawn there: see host_recursion_slopes). The line is drawn per request
         (host / batch against tokens / batch and k): within one bucket a draining batch moves host and tokens
         together, and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256
         (run 69), pricing k = 0 best. A bucket without samples (one a batch passes through while it ramps
@@ -209,45 +224,55 @@ class StepCosts:
         if self.host_samples[b] == 0:
             sampled = [i for i, n in enumerate(self.host_samples) if n]
             if not sampled:
-                return 0.0, 0.0, 0.0, 0.0
+                return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0
             b = self._nearest(sampled, b)
         count = self.host_samples[b]
         newest = list(islice(reversed(self.host_recent[b]), self.window))  # per request, the newest samples
         if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
             self._slopes[b] = self._fit_slopes(b, newest)
             self._fitted_at[b] = count
-        slope, per_draft = self._slopes[b]
-        level = lower_median([s - slope * e - per_draft * k for s, e, k in newest])
-        return level * batch, slope, max(per_draft, 0.0), lower_median([s for s, _, _ in newest]) * batch
+        slope, per_draft, recursion = self._slopes[b]
+        price = self._draft_price(per_draft, recursion)
+        level = lower_median([s - slope * e - price[k] for s, e, k in newest])
+        return level * batch, slope, [max(p, 0.0) for p in price], lower_median([s for s, _, _ in newest]) * batch
 
-    def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float]:
-        """(b, c) of bucket b's host line: drawn from its window, bounded by its newest samples (per request: host
+    def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float, float]:
+        """(b, c, c past the modules) of bucket b's host line: drawn from its window, bounded by its newest
+        samples (per request: host
         seconds, tokens, k). Plain Python over at most HOST_WINDOW samples: inside the engine, numpy's calls
         made a refit 0.35-0.45 ms on the 2-core CPU."""
         seconds, emitted, ks = zip(*self.host_recent[b])
         # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
         # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
-        slope, per_draft = _host_slopes(seconds, emitted, ks, plain_median(seconds), self.host_slopes[b])
+        past = min(ks) >= self.modules  # a window past the modules draws the price of a recursion's draft alone
+        units = [k - self.modules for k in ks] if past else ks
+        slope, drawn = _host_slopes(seconds, emitted, units, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
-        self.drew_per_draft[b] |= per_draft is not None
-        self.host_draft_slopes[b] = per_draft = self.host_draft_slopes[b] if per_draft is None else per_draft
+        if drawn is not None and past:
+            self.host_recursion_slopes[b] = drawn
+        elif drawn is not None:
+            self.host_draft_slopes[b] = drawn
+        per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
+        recursion = per_draft if recursion is None else recursion
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, plain_median([s / max(e, 1e-9) for s, e, _ in newest]))
-        drafted = [(s - slope * e) / k for s, e, k in newest if k > 0]
-        if drafted:
-            per_draft = min(per_draft, plain_median(drafted))
+        price = self._draft_price(per_draft, recursion)
+        over = [price[k] / max(s - slope * e, 1e-12) for s, e, k in newest if k > 0]
+        if over and plain_median(over) > 1.0:
+            per_draft, recursion = per_draft / plain_median(over), recursion / plain_median(over)
+            price = self._draft_price(per_draft, recursion)
         # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
         # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
         # at c = 8 and 0.54 at T = 1, c = 256). A window of one k cannot tell the level from the slopes, and
         # one that put nearly all of a greedy c = 128 step's host in its tokens and drafts priced k = 4 at
         # 5.8x k = 0: auto ran k = 0, then caught up all 128 requests (run 143).
-        saved = plain_median([(slope * max(e - 1.0, 0.0) + per_draft * k) / max(s, 1e-12) for s, e, k in newest])
+        saved = plain_median([(slope * max(e - 1.0, 0.0) + price[k]) / max(s, 1e-12) for s, e, k in newest])
         if saved > 1.0 - self.HOST_KEPT:
             scale = (1.0 - self.HOST_KEPT) / saved
-            slope, per_draft = slope * scale, per_draft * scale
-        return slope, per_draft
+            slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
+        return slope, per_draft, recursion
 
 
 def _host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float) -> float | None:

@@ -318,3 +318,25 @@ def test_the_lines_are_least_squares_fits() -> None:
     a, slope, n = _line_fit(row)
     fitted = np.polyfit([0, 2, 3], [1.0, 1.3, 1.35], 1)
     assert n == 3 and (slope, a) == tuple(pytest.approx(v, rel=1e-12) for v in fitted)
+
+
+def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
+    """k = 3 and 4 over 3 modules (auto probing down from k = 4): the fourth draft reruns the last module, so
+    the host price it draws, 10 us a request here, is a recursion's; below the modules a draft also runs a KV
+    group of its own, and that price stays what the bucket drew before (nothing here: 0), not extrapolated
+    (extrapolated, it sent auto at T = 1, c = 256 on the H100 from k = 4 to k = 1, run 227)."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    for i in range(64):
+        k = 3 + (i // 8) % 2
+        tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)  # acceptance varies within each k: the tokens' slope is drawn there
+        costs.observe(8, k, 1e-4, host=1e-6 * (8 * 20 + 2 * tokens + 8 * 10 * k), tokens=tokens)
+    price = costs._host_fit(8)[2]
+    assert price[4] - price[3] == pytest.approx(10e-6, rel=0.02)
+    assert price[:4] == [0.0] * 4 and costs.knows_recursion(8)
+    flat = StepCosts(max_k=4, max_rows=8)  # as many modules as k: the same window prices every draft
+    for i in range(64):
+        k = 3 + (i // 8) % 2
+        tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)
+        flat.observe(8, k, 1e-4, host=1e-6 * (8 * 20 + 2 * tokens + 8 * 10 * k), tokens=tokens)
+    flat_price = flat._host_fit(8)[2]  # every draft at one price (scaled down to keep HOST_KEPT of the host)
+    assert flat_price[1] > 5e-6 and flat_price[4] == pytest.approx(4 * flat_price[1]) and not flat.knows_recursion(8)
