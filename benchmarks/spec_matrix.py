@@ -42,6 +42,7 @@ Columns, the table form of DeepSeek's MTP0..MTP4 reports:
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import random
 import statistics
@@ -110,6 +111,8 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-probe-down", action="store_true",
+                   help="diagnosis: auto never probes k - 1 past the MTP modules (the chooser before b8266d6)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +326,9 @@ def build_engine(args: argparse.Namespace, device: torch.device, tmp: Path, max_
                                     **hold))
     check(engine.tokenizer is not None, f"{model} has no tokenizer.json: text prompts cannot be encoded")
     check(engine.model_config.mtp.num_modules > 0 or max_k == 0, f"{model} has no MTP modules")
+    if args.no_probe_down and engine.adaptive is not None:  # every draft at one host price, none probed below k
+        engine.adaptive.config = replace(engine.adaptive.config, modules=None)
+        engine.adaptive.costs.modules = engine.adaptive.config.max_k
     return engine
 
 
