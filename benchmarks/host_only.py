@@ -74,16 +74,32 @@ class InstantExecutor:
         pass
 
 
-def pin_auto(k: int) -> None:
-    """Every auto step runs k after the chooser has made its choice as usual (its work stays, its k goes)."""
+FULL_CHOICES = [0]  # full choices the chooser made (a step whose call reset its dwell count)
+
+
+def count_choices(pin: int | None) -> None:
+    """Count the chooser's full choices; with `pin`, every auto step then runs that k after the chooser has
+    made its choice as usual (its work stays, its k goes)."""
     choose = AdaptiveSpec.choose
 
-    def pinned(self: AdaptiveSpec, *args: Any, **kwargs: Any) -> int:
-        choose(self, *args, **kwargs)
-        self.k = k
+    def counted(self: AdaptiveSpec, *args: Any, **kwargs: Any) -> int:
+        k = choose(self, *args, **kwargs)
+        FULL_CHOICES[0] += self._held == 0
+        if pin is not None:
+            self.k = k = pin
         return k
 
-    AdaptiveSpec.choose = pinned  # type: ignore[method-assign]
+    AdaptiveSpec.choose = counted  # type: ignore[method-assign]
+
+
+def seed_every_k(engine: LLMEngine, seconds: float = 1e-6) -> None:
+    """Device costs at every (bucket, k), as a GPU engine seeds them from its captured graphs at start: unseeded,
+    the chooser's exploration of an untimed k - 1 made every one of a pinned cell's choices."""
+    costs = engine.adaptive.costs
+    for batch in costs.buckets.tolist():
+        for k in range(costs.max_k + 1):
+            for greedy in (True, False):
+                costs.seed(batch, k, seconds, greedy)
 
 
 def cell(engine: LLMEngine, prompts: list[list[int]], k: int | str, c: int, max_tokens: int, name: str) -> float:
@@ -92,19 +108,23 @@ def cell(engine: LLMEngine, prompts: list[list[int]], k: int | str, c: int, max_
     return workloads.drive(engine, jobs, c, name).tokens_per_s
 
 
-def measure(c: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """(fixed-k tok/s, auto tok/s) per round at concurrency c."""
+def measure(c: int, args: argparse.Namespace) -> tuple[list[float], list[float], list[int]]:
+    """(fixed-k tok/s, auto tok/s, auto's full choices) per round at concurrency c."""
     engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=c, num_kv_blocks=c * (args.max_tokens // 8 + 16)),
                        InstantExecutor(args.acceptance))
+    seed_every_k(engine)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(*TOKENS, args.prompt_len).tolist() for _ in range(args.requests_per_slot * c)]
     for k in (args.k, "auto"):  # warm-up: the chooser's buckets and the cost lines see this batch first
         cell(engine, prompts, k, c, args.max_tokens, f"warm-{k}")
-    fixed, auto = [], []
+    fixed, auto, choices = [], [], []
     for r in range(args.rounds):
         for k in ((args.k, "auto") if r % 2 == 0 else ("auto", args.k)):
+            FULL_CHOICES[0] = 0
             (auto if k == "auto" else fixed).append(cell(engine, prompts, k, c, args.max_tokens, f"r{r}-{k}"))
-    return fixed, auto
+            if k == "auto":
+                choices.append(FULL_CHOICES[0])
+    return fixed, auto, choices
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -127,17 +147,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.free:
-        pin_auto(args.k)
+    count_choices(None if args.free else args.k)
     table = Table(f"host only: fixed k = {args.k} against auto{'' if args.free else f' (its steps at k = {args.k})'}",
-                  ["conc", "fixed tok/s", "auto tok/s", "auto / fixed (median of rounds)", "per round", "s"])
+                  ["conc", "fixed tok/s", "auto tok/s", "auto / fixed (median of rounds)", "per round",
+                   "full choices per auto cell", "s"])
     for c in common.parse_ints(args.concurrency):
         t0 = time.perf_counter()
-        fixed, auto = measure(c, args)
+        fixed, auto, choices = measure(c, args)
         ratios = [a / f for a, f in zip(auto, fixed)]
         table.add(str(c), float(np.median(fixed)), float(np.median(auto)), f"{np.median(ratios):.3f}",
-                  " ".join(f"{r:.2f}" for r in ratios), time.perf_counter() - t0)
-    notes = [f"executor: none (InstantExecutor), acceptance per position {args.acceptance}, prompts of "
+                  " ".join(f"{r:.2f}" for r in ratios), " ".join(map(str, choices)), time.perf_counter() - t0)
+    notes = ["device costs seeded at every (bucket, k) (1 us), as the GPU engine seeds them from its graphs",
+             f"executor: none (InstantExecutor), acceptance per position {args.acceptance}, prompts of "
              f"{args.prompt_len} random ids, {args.max_tokens} tokens per request, {args.requests_per_slot} x conc "
              f"requests a cell; rounds alternate which cell runs first"]
     common.report(args, "host_only", common.pick_device("cpu", True), [table], notes)

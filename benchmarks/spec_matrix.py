@@ -332,13 +332,17 @@ def build_engine(args: argparse.Namespace, device: torch.device, tmp: Path, max_
     return engine
 
 
+def _us(seconds: list[float]) -> str:
+    return "[" + ", ".join(f"{s * 1e6:.2f}" for s in seconds) + "]"
+
+
 def describe_auto(engine: LLMEngine, c: int, greedy: bool) -> str:
     """What adaptive speculation now prices a batch of c at: the step cost per k, its host line and device row,
     and the acceptance prior."""
     adaptive = engine.adaptive
     costs, (a, b, _) = adaptive.costs.costs(c, greedy=greedy), adaptive.costs.host_line(c)
     return (f"step cost / k=0 {np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + "
-            f"{b * 1e3:.4f}/token ms + {adaptive.costs.host_per_draft(c) * 1e6:.2f} us a request and draft, "
+            f"{b * 1e3:.4f}/token ms + {_us(adaptive.costs.host_draft_prices(c))} us a request at k = 0.., "
             f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
             f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
 

@@ -75,10 +75,10 @@ def run_cell(engine: LLMEngine, laps: LapRecorder, k: int | str, c: int, prompts
 
 
 def _line(costs: StepCosts, c: int) -> str:
-    """The bucket's host share now, as printed: 'a + b/token ms + c us a request and draft (median m)'."""
+    """The bucket's host share now, as printed: 'a + b/token ms + [price at k = 0..] us a request (median m)'."""
     a, b, median = costs.host_line(c)
-    return (f"{a * 1e3:.3f} + {b * 1e3:.4f}/token ms + {costs.host_per_draft(c) * 1e6:.2f} us a request and draft "
-            f"(median {median * 1e3:.3f})")
+    prices = ", ".join(f"{p * 1e6:.2f}" for p in costs.host_draft_prices(c))
+    return f"{a * 1e3:.3f} + {b * 1e3:.4f}/token ms + [{prices}] us a request at k = 0.. (median {median * 1e3:.3f})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,12 @@ import host_only  # noqa: E402
 import workloads  # noqa: E402
 
 
-def _run(k: int | str, acceptance: list[float], lengths: list[int]) -> tuple[workloads.Run, LLMEngine]:
-    engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=2, num_kv_blocks=64),
+def _run(k: int | str, acceptance: list[float], lengths: list[int], seeded: bool = True
+         ) -> tuple[workloads.Run, LLMEngine]:
+    engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=2, num_kv_blocks=128),
                        host_only.InstantExecutor(acceptance))
+    if seeded:
+        host_only.seed_every_k(engine)
     prompts = np.random.default_rng(0).integers(*host_only.TOKENS, (len(lengths), 9)).tolist()
     jobs = [workloads.Job(p, SamplingParams(max_tokens=n, ignore_eos=True, num_speculative_tokens=k))
             for p, n in zip(prompts, lengths)]
@@ -35,11 +38,29 @@ def test_every_request_gets_its_tokens_and_drafts_are_accepted_as_told() -> None
     assert never.spec.acceptance_length == 1.0 and never.num_tokens == 40
 
 
+def _full_choices(monkeypatch: pytest.MonkeyPatch, pin: int | None, seeded: bool = True) -> tuple[float, int]:
+    """(AL, full choices) of an auto run whose every draft is accepted (free, the chooser goes to k = 4)."""
+    monkeypatch.setattr(AdaptiveSpec, "choose", ORIGINAL_CHOOSE)  # each wrap starts from the chooser itself
+    host_only.count_choices(pin)
+    host_only.FULL_CHOICES[0] = 0
+    run, _ = _run("auto", [1.0], [400, 400], seeded)
+    return run.spec.acceptance_length, host_only.FULL_CHOICES[0]
+
+
+ORIGINAL_CHOOSE = AdaptiveSpec.choose
+
+
 def test_pinned_auto_runs_the_fixed_k_after_choosing(monkeypatch: pytest.MonkeyPatch) -> None:
-    free, engine = _run("auto", [1.0], [64, 64])
-    assert free.spec.acceptance_length > 4.0  # every draft accepted: the chooser goes to k = 4
-    monkeypatch.setattr(AdaptiveSpec, "choose", AdaptiveSpec.choose)  # restored after the test
-    host_only.pin_auto(2)
-    pinned, engine = _run("auto", [1.0], [64, 64])
-    assert 2.5 < pinned.spec.acceptance_length <= 3.0
-    assert engine.adaptive.chosen.sum() > 0  # the chooser still ran its choices
+    free_al, free_choices = _full_choices(monkeypatch, None)
+    assert free_al > 4.0 and free_choices > 0
+    pinned_al, pinned_choices = _full_choices(monkeypatch, 2)
+    assert 2.5 < pinned_al <= 3.0 and pinned_choices > 0  # k = 2 ran, and the chooser still chose
+
+
+def test_with_every_k_seeded_a_pinned_auto_chooses_as_often_as_a_free_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unseeded, every choice of a pinned run explored the untimed k - 1 and so held for min_dwell steps only
+    (a review found it): the pinned cell then measured more choices than auto makes."""
+    _, free_choices = _full_choices(monkeypatch, None)
+    _, pinned_choices = _full_choices(monkeypatch, 4)
+    _, unseeded_choices = _full_choices(monkeypatch, 4, seeded=False)
+    assert pinned_choices <= free_choices + 2 < unseeded_choices

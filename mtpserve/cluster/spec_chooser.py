@@ -128,6 +128,7 @@ class AdaptiveSpec:
         # again. At c = 1 the next request joins while the last one finishes: the batch went 1 -> 2 -> 1 and
         # made two full choices per request (run 171).
         self._held_of: dict[int, _Held] = {}
+        self._probed_down_at: dict[int, int] = {}  # per bucket, the step of its last probe below k
 
     @property
     def chosen(self) -> np.ndarray:
@@ -197,7 +198,7 @@ class AdaptiveSpec:
             k = self._explore(choose_k(gains, base, floor, costs, current, self.config.hysteresis), rows.size)
             probe = self._probe_up(k, gains)
             if probe == k:
-                probe = self._probe_down(k, rows.size)
+                probe = self._probe_down(k, rows.size, floor)
             self._probed_from = k if probe != k else -1
             k = probe
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
@@ -265,19 +266,24 @@ class AdaptiveSpec:
         t.drafted_at[k] = t.now
         return k + 1
 
-    def _probe_down(self, k: int, batch: int) -> int:
+    def _probe_down(self, k: int, batch: int, floor: int) -> int:
         """k - 1 for one dwell where the choice stays at a k past the modules and the bucket's host line has seen
         k alone for HOST_WINDOW / 2 samples (probe_after once it has drawn a draft's price): a window of one k
         cannot draw what a draft costs the host, which then priced every k at the host level of its own. At
         c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster, greedy (run 214), and on
         k = 4 where k = 1 ran 10 % faster at T = 1 (run 205). Where the chain does not recurse, k - 1 would
-        leave module k - 1 behind, and every request would be caught up when k rose again: no probe there."""
+        leave module k - 1 behind, and every request would be caught up when k rose again: no probe there. Nor
+        where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
+        steps apart however many samples they gave (steps with prompt chunks are not timed)."""
         modules = self.config.max_k if self.config.modules is None else self.config.modules
-        if k != self.k or k <= modules:
+        if k != self.k or k <= modules or k - 1 < floor:
             return k
-        costs = self.costs
+        costs, now, bucket = self.costs, self.acceptance.now, self.costs.bucket(batch)
         due = self.config.probe_after if costs.knows_recursion(batch) else costs.HOST_WINDOW // 2
-        return k - 1 if costs.one_k_run(batch, k) >= due else k
+        if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
+            return k
+        self._probed_down_at[bucket] = now
+        return k - 1
 
     def estimates(self) -> list[float]:
         """The engine-wide acceptance estimate per draft position (for metrics), as of the last fold: at

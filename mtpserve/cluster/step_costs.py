@@ -196,6 +196,10 @@ class StepCosts:
         """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
         return self.host_recursion_slopes[self.bucket(batch)] is not None
 
+    def host_draft_prices(self, batch: int) -> list[float]:
+        """[K + 1] the host's seconds per request for k drafts in this batch's bucket, beyond their tokens'."""
+        return self._host_fit(batch)[2]
+
     def host_per_draft(self, batch: int) -> float:
         """The host's seconds per request and draft in this batch's bucket, beyond what its tokens cost."""
         return self._host_fit(batch)[2][min(1, self.max_k)]
@@ -238,15 +242,18 @@ class StepCosts:
 
     def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float, float]:
         """(b, c, c past the modules) of bucket b's host line: drawn from its window, bounded by its newest
-        samples (per request: host
-        seconds, tokens, k). Plain Python over at most HOST_WINDOW samples: inside the engine, numpy's calls
-        made a refit 0.35-0.45 ms on the 2-core CPU."""
+        samples (per request: host seconds, tokens, k). Plain Python over at most HOST_WINDOW samples: inside
+        the engine, numpy's calls made a refit 0.35-0.45 ms on the 2-core CPU."""
         seconds, emitted, ks = zip(*self.host_recent[b])
         # The slopes from the whole window (tokens and k vary across it), the level from its newest samples only:
         # the host's speed drifts, and a change must show within a cell's window, not the line's. A window of
         # one k alone (auto dwelling on its choice) keeps the slopes its bucket drew before.
-        past = min(ks) >= self.modules  # a window past the modules draws the price of a recursion's draft alone
-        units = [k - self.modules for k in ks] if past else ks
+        m, recursion = self.modules, self.host_recursion_slopes[b]
+        past = min(ks) >= m  # a window past the modules draws the price of a recursion's draft alone
+        units = [k - m for k in ks] if past else ks
+        if not past and recursion is not None:  # k's on both sides: the drafts past the modules at their own price
+            seconds = tuple(s - recursion * max(k - m, 0) for s, k in zip(seconds, ks))
+            units = [min(k, m) for k in ks]
         slope, drawn = _host_slopes(seconds, emitted, units, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         if drawn is not None and past:

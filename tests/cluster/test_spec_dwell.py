@@ -9,6 +9,7 @@ import pytest
 
 from mtpserve.cluster.acceptance import AcceptanceTable
 from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.step_costs import StepCosts
 from tests.cluster.chooser_sim import COSTS, K, spec_with
 
 
@@ -324,3 +325,36 @@ def test_a_k_past_the_modules_probes_k_minus_1_and_learns_what_a_draft_costs_the
     assert 3 in ks[:120]  # probed once k = 4 had held for half a host window
     assert ks[-200:].count(3) >= 180, ks[-200:]
     assert _host_bound_run(modules=K)[-200:] == [K] * 200  # no probe: the draft term stays unknown
+
+
+def _probe_steps(fixed: int, timed_at_chosen_k: bool, steps: int = 600) -> list[int]:
+    """The steps whose k auto probed below 4 (3 modules), 8 requests accepting every draft at 0.95, of them
+    `fixed` at a fixed k = 4; each step's host sample is recorded at the k the step ran (max of auto's and the
+    fixed requests'), or, with timed_at_chosen_k False, always at 4 (as if every probe's steps went untimed)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, modules=3))
+    rows = np.array([spec.admit(K, i >= fixed) for i in range(8)])
+    spec.acceptance.set(rows, np.full((K, 8), 0.95))
+    for k in range(K + 1):
+        spec.costs.seed(8, k, 1e-6 * (100 + 10 * k))
+    probes = []
+    for step in range(steps):
+        k = spec.choose(rows)
+        ran = max(k, K if fixed else 0) if timed_at_chosen_k else K
+        spec.acceptance.observe(rows, np.full(8, ran), np.full(8, ran))
+        spec.costs.observe(8, ran, 1e-6 * (100 + 10 * ran), host=1e-6 * (160 + 2 * 8 * (1 + ran)), tokens=8 * (1 + ran))
+        if k < K:
+            probes.append(step)
+    return probes
+
+
+def test_no_probe_below_k_where_a_fixed_request_runs_k_anyway() -> None:
+    """The step runs the largest fixed k whatever auto chooses: a probe there gathers nothing, and with nothing
+    gathered it came back at every choice (a review found it: 272 of 600 steps at the probed k)."""
+    assert _probe_steps(fixed=1, timed_at_chosen_k=True) == []
+    assert _probe_steps(fixed=0, timed_at_chosen_k=True) != []
+
+
+def test_probes_that_gather_no_sample_are_spaced_by_half_a_host_window() -> None:
+    probes = _probe_steps(fixed=0, timed_at_chosen_k=False)
+    starts = [s for i, s in enumerate(probes) if i == 0 or probes[i - 1] != s - 1]
+    assert len(starts) >= 2 and min(b - a for a, b in zip(starts, starts[1:])) >= StepCosts.HOST_WINDOW // 2

@@ -338,5 +338,25 @@ def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
         k = 3 + (i // 8) % 2
         tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)
         flat.observe(8, k, 1e-4, host=1e-6 * (8 * 20 + 2 * tokens + 8 * 10 * k), tokens=tokens)
-    flat_price = flat._host_fit(8)[2]  # every draft at one price (scaled down to keep HOST_KEPT of the host)
-    assert flat_price[1] > 5e-6 and flat_price[4] == pytest.approx(4 * flat_price[1]) and not flat.knows_recursion(8)
+    assert flat.host_per_draft(8) > 5e-6 and not flat.knows_recursion(8)  # (scaled down to keep HOST_KEPT)
+
+
+def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_recursion_s() -> None:
+    """Host per request 60 us + 2 us a token + 5 us a draft below the 3 modules + 10 us a draft past them: k = 3
+    and 4 draw the recursion's 10 us; then k = 2, 3 and 4 draw the 5 us of a draft below the modules, the
+    recursion's price taken out first (a review found the fit on raw k mixing the two)."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+
+    def sample(i: int, k: int) -> None:
+        tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)
+        costs.observe(8, k, 1e-4, host=1e-6 * 8 * (60 + 2 * tokens / 8 + 5 * min(k, 3) + 10 * max(k - 3, 0)),
+                      tokens=tokens)
+
+    for i in range(64):
+        sample(i, 3 + (i // 8) % 2)
+    assert costs.host_draft_prices(8)[4] == pytest.approx(10e-6, rel=0.02)  # a choice reads the line: it fits
+    for i in range(64):
+        sample(i, 2 + (i // 8) % 3)
+    price = costs.host_draft_prices(8)
+    assert price[1] == pytest.approx(5e-6, rel=0.02) and price[3] == pytest.approx(15e-6, rel=0.02)
+    assert price[4] - price[3] == pytest.approx(10e-6, rel=0.02)
