@@ -11,8 +11,9 @@ call costs several microseconds; no per-request Python work of any weight at 256
   combined with the device's at k (medians of recent timed steps, seeded by timing the captured graphs
   at start where the runner can, estimated where not measured).
 * `choose_k`: the step's k maximising expected emitted tokens per second of the whole batch, where an
-  adaptive request runs min(k, cap) drafts and a fixed one its own number; with hysteresis, and a probe of a
-  position no request has drafted for a while (what the engine-wide prior cannot learn otherwise).
+  adaptive request runs min(k, cap) drafts and a fixed one its own number; with hysteresis, a probe of a
+  position no request has drafted for a while (what the engine-wide prior cannot learn otherwise), and past
+  the MTP modules a probe of k - 1 (what a draft costs the host, which a window of one k cannot show).
 """
 
 from __future__ import annotations
