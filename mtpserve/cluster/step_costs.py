@@ -266,9 +266,9 @@ class StepCosts:
         # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, plain_median([s / max(e, 1e-9) for s, e, _ in newest]))
         price = self._draft_price(per_draft, recursion)
-        over = [price[k] / max(s - slope * e, 1e-12) for s, e, k in newest if k > 0]
-        if over and plain_median(over) > 1.0:
-            per_draft, recursion = per_draft / plain_median(over), recursion / plain_median(over)
+        over = plain_median([price[k] / max(s - slope * e, 1e-12) for s, e, k in newest if k > 0] or [0.0])
+        if over > 1.0:
+            per_draft, recursion = per_draft / over, recursion / over
             price = self._draft_price(per_draft, recursion)
         # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
         # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
