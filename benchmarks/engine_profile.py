@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import host  # noqa: E402
+import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
 
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
@@ -44,6 +45,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="32")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--workload", choices=("text", "random"), default="text",
+                   help="prompts: stdlib text, or random token ids (low acceptance), as spec_matrix.py's")
+    p.add_argument("--random-prompt-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="the random prompts' seed")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--prefill-hold-steps", type=int, default=4)
     p.add_argument("--prefill-step-rows", type=int, default=None, help="EngineConfig.prefill_step_rows (0: off)")
@@ -120,7 +125,7 @@ class PhaseTimer:
 
 
 def profile_cell(engine: LLMEngine, timer: PhaseTimer, k: int | str, c: int, args: argparse.Namespace,
-                 prompts: list[str]) -> None:
+                 prompts: list[str] | list[list[int]]) -> None:
     n = max(8, args.requests_per_slot * c)
     jobs = [workloads.Job(p, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
                                             num_speculative_tokens=k)) for p in prompts[:n]]
@@ -171,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         timer = PhaseTimer(engine)
         if device.type == "cuda":  # on the CPU the model's threads would inherit the one core
             print(host.pin_cpu(args.pin_cpu))
-        prompts = workloads.get_prompts("stdlib", max(8, args.requests_per_slot * max(concurrency)), 2)
+        args.prompts, args.prompt_lines = "stdlib", 2  # the text workload: spec_matrix.py's default prompts
+        prompts = spec_matrix.matrix_prompts(args, max(8, args.requests_per_slot * max(concurrency)),
+                                             engine.model_config.vocab_size)
         for c in concurrency:
             for k in ks:
                 profile_cell(engine, timer, k, c, args, prompts)
