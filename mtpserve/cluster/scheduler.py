@@ -165,8 +165,8 @@ class Scheduler:
                     return None
             else:
                 ahead, made = drafts + 1, made_in_flight.get(req.request_id, req.num_spec)  # tokens it may emit
-                if spec > made:  # k rises: the workers find lagging modules from their host state, which the
-                    return None  # step in flight has yet to advance, so the engine drains first
+                if self._modules(spec) > self._modules(made):  # k rises past modules that lagged: the workers find
+                    return None  # them from their host state, which the step in flight has yet to advance
             left = req.tokens_left - ahead  # at the worst: every draft in flight accepted
             # Near max_tokens a step verifies at most tokens_left - 1 drafts, which the count in flight decides:
             # the request sits this step out rather than verify fewer drafts than a synchronous step would,
@@ -251,6 +251,11 @@ class Scheduler:
         if 0 <= req.live_spec < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP:
             return req.live_spec
         return k
+
+    def _modules(self, spec: int) -> int:
+        """The MTP modules a chain of `spec` drafts runs: past the last one the chain runs it again, so a k
+        that differs from another only past the modules leaves none of them behind (no catch-up, no drain)."""
+        return min(spec, self.config.num_mtp_modules)
 
     def _release_row(self, req: Request) -> None:
         if self.adaptive is not None and req.spec_row >= 0:
@@ -378,7 +383,7 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]],
                      spec: int) -> None:
-        if spec < req.num_spec:  # modules past spec stop here until the workers catch them up (§9)
+        if self._modules(spec) < self._modules(req.num_spec):  # modules past spec stop here until caught up (§9)
             if req.modules_exact_upto is None:
                 req.modules_exact_upto = req.num_computed
             if req.live_spec < 0:

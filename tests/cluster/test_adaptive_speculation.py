@@ -117,7 +117,8 @@ def test_a_long_prompt_prefilled_at_k0_still_speculates(trained_ckpt: Path, monk
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("schedule", [[3, 3, 0, 0, 0, 0, 1, 4, 4], [0, 0, 0, 0, 3, 3], [4, 2, 0, 4, 1, 0, 3]])
+@pytest.mark.parametrize("schedule", [[3, 3, 0, 0, 0, 0, 1, 4, 4], [0, 0, 0, 0, 3, 3], [4, 2, 0, 4, 1, 0, 3],
+                                      [4, 3, 3, 4, 3, 4, 4]])
 def test_mtp_kv_stays_teacher_forced_after_k_falls_and_rises(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
                                                               schedule: list[int], overlap: bool) -> None:
     """Also with async scheduling, where k may change in a step planned while the one before still runs."""
@@ -131,7 +132,7 @@ def test_mtp_kv_stays_teacher_forced_after_k_falls_and_rises(partly_trained: Pat
             req = runner.requests[out.request_id]
             checked += _assert_pools_match(llm, req, _teacher_forced_keys(llm, prompt + out.token_ids), 4)
     assert checked > 100
-    assert runner.num_catch_ups > 0
+    assert (runner.num_catch_ups > 0) == (min(schedule) < 3)  # only a k below the 3 modules leaves some behind
     assert not overlap or llm.engine.num_overlapped_steps > 0
 
 
@@ -166,6 +167,37 @@ def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
     assert [o.token_ids for o in llm.generate(prompts_of(64, [9, 14, 5], seed=8), GREEDY)] == expected
     assert runner.num_catch_ups >= 3 and runner.prefill.runs - prefills > runner.num_catch_ups // 3
     assert not general, "every catch-up was an aligned chunk without drafts"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_k_past_the_modules_falls_and_rises_without_a_catch_up(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               overlap: bool) -> None:
+    """k = 4 over 3 modules runs the last module again: from 4 to 3 and back leaves no module behind, so the rise
+    verifies the drafts in hand (a catch-up would plan decode steps without drafts) and the overlapped pipeline
+    runs on through it, as at a fixed k = 4."""
+    prompts = prompts_of(64, [9, 14, 5, 7], seed=8)
+    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, GREEDY)]
+    runs = {}
+    for name, schedule in (("fixed", [4]), ("past the modules", [4, 3, 3, 4, 4, 3, 4, 4])):
+        force_k(monkeypatch, schedule)
+        llm = LLM(str(partly_trained), block_size=4, async_scheduling=overlap, max_num_seqs=4)
+        assert llm.engine.resolved.num_mtp_modules == 3
+        plans, sched = [], llm.engine.scheduler
+        plan_step = sched.schedule
+
+        def schedule_and_note() -> StepPlan:  # (tokens the request may still emit, tokens fed, drafts verified)
+            plan = plan_step()
+            plans.extend((sched.requests[r].tokens_left, n, d) for r, n, d in
+                         zip(plan.req_ids, plan.num_tokens, plan.num_drafts))
+            return plan
+
+        sched.schedule = schedule_and_note
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        draftless = sum(1 for left, n, d in plans if n == 1 and d == 0 and left > 1)
+        runs[name] = (draftless, llm.engine.num_overlapped_steps, llm.engine.executor.runner.num_catch_ups)
+    assert runs["past the modules"][0] == runs["past the modules"][2] == 0
+    assert runs["past the modules"][1] == pytest.approx(runs["fixed"][1], abs=2)
+    assert not overlap or runs["fixed"][1] > 10
 
 
 def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Callable[[StepPlan, int], float],
