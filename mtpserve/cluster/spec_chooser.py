@@ -269,7 +269,8 @@ class AdaptiveSpec:
 
     def _probe_down(self, k: int, batch: int, floor: int) -> int:
         """k - 1 for one dwell where the choice stays at a k past the modules and the bucket's host line has seen
-        k alone for HOST_WINDOW / 2 samples (probe_after once it has drawn a draft's price): a window of one k
+        k alone for HOST_WINDOW samples (probe_after once it has settled a draft's price; a window then holds one
+        probe, and each probe draws the price anew, see StepCosts.host_recursion_slopes): a window of one k
         cannot draw what a draft costs the host, which then priced every k at the host level of its own. At
         c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster, greedy (run 214), and on
         k = 4 where k = 1 ran 10 % faster at T = 1 (run 205). Where the chain does not recurse, k - 1 would
@@ -280,7 +281,7 @@ class AdaptiveSpec:
         if k != self.k or k <= modules or k - 1 < floor:
             return k
         costs, now, bucket = self.costs, self.acceptance.now, self.costs.bucket(batch)
-        due = self.config.probe_after if costs.knows_recursion(batch) else costs.HOST_WINDOW // 2
+        due = self.config.probe_after if costs.knows_recursion(batch) else costs.HOST_WINDOW
         if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now

@@ -57,6 +57,7 @@ class StepCosts:
     DEVICE_BOUND = 0.1  # a lap is the device's period when the host waited at least this share of it
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
+    RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12,
                  modules: int | None = None) -> None:
@@ -83,6 +84,13 @@ class StepCosts:
         # draft reruns the last module (no KV group of its own): its price says nothing of a draft below the
         # modules, and extrapolated there it sent auto at T = 1, c = 256 from k = 4 to k = 1 (H100, run 227).
         self.host_recursion_slopes: list[float | None] = [None] * nb
+        # Per bucket, that price as the last RECURSION_DRAWS probes drew it (one draw per probe, refined while its
+        # samples stay in the window), and the sample count at the last one's probe. A probe lasts a few steps,
+        # and the host's speed moved 2x within seconds on the H100's host: drawn from one probe, the price read
+        # 16 us a request where fixed k = 4 ran 7 % faster than k = 3, and auto ran k = 3 for a quarter of
+        # a random-prompt cell at c = 128 (run 235). Their lower median is the price once there are enough.
+        self._recursion_draws = [deque(maxlen=self.RECURSION_DRAWS) for _ in range(nb)]
+        self._recursion_probe = [-1] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
         self.gap_samples = [0] * nb
@@ -257,7 +265,7 @@ class StepCosts:
         slope, drawn = _host_slopes(seconds, emitted, units, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         if drawn is not None and past:
-            self.host_recursion_slopes[b] = drawn
+            self._draw_recursion(b, drawn, min(ks))
         elif drawn is not None:
             self.host_draft_slopes[b] = drawn
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
@@ -280,6 +288,20 @@ class StepCosts:
             scale = (1.0 - self.HOST_KEPT) / saved
             slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
         return slope, per_draft, recursion
+
+
+    def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
+        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
+        draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
+        host_recursion_slopes) at the lower median of the last RECURSION_DRAWS."""
+        draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
+        if draws and self._recursion_probe[b] == probe:
+            draws[-1] = drawn
+        else:
+            draws.append(drawn)
+            self._recursion_probe[b] = probe
+        if len(draws) == draws.maxlen:
+            self.host_recursion_slopes[b] = lower_median(draws)
 
 
 def _host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float) -> float | None:

@@ -326,10 +326,12 @@ def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
     group of its own, and that price stays what the bucket drew before (nothing here: 0), not extrapolated
     (extrapolated, it sent auto at T = 1, c = 256 on the H100 from k = 4 to k = 1, run 227)."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
-    for i in range(64):
+    for i in range(64 + 32 * StepCosts.RECURSION_DRAWS):
         k = 3 + (i // 8) % 2
         tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)  # acceptance varies within each k: the tokens' slope is drawn there
         costs.observe(8, k, 1e-4, host=1e-6 * (8 * 20 + 2 * tokens + 8 * 10 * k), tokens=tokens)
+        if i >= 63 and i % 32 == 31:  # a choice reads the line (it refits every HOST_REFIT samples)
+            costs.host_draft_prices(8)
     price = costs._host_fit(8)[2]
     assert price[4] - price[3] == pytest.approx(10e-6, rel=0.02)
     assert price[:4] == [0.0] * 4 and costs.knows_recursion(8)
@@ -339,6 +341,29 @@ def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
         tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)
         flat.observe(8, k, 1e-4, host=1e-6 * (8 * 20 + 2 * tokens + 8 * 10 * k), tokens=tokens)
     assert flat.host_per_draft(8) > 5e-6 and not flat.knows_recursion(8)  # (scaled down to keep HOST_KEPT)
+
+
+def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_drifted_in() -> None:
+    """k = 4 over 3 modules, a draft costing the host nothing beyond its tokens, and auto probing k = 3 for 8 steps
+    once a host window has seen k = 4 alone: in the first probe the host ran 0.6x as long (its speed moves 2x within seconds on the H100's
+    host), which read as 27 us a request for the fourth draft. Priced from that probe alone, k = 3 looked best
+    (run 235, random prompts at c = 128); the lower median of three probes prices the draft at what it costs."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    step = 0
+    for probe in range(StepCosts.RECURSION_DRAWS + 1):
+        for i in range(StepCosts.HOST_WINDOW):
+            costs.observe(8, 4, 1e-4, host=1e-6 * (8 * 50 + 2 * (8 + 4 * (step % 3))), tokens=8 + 4 * (step % 3))
+            step += 1
+        for i in range(8):
+            speed = 0.6 if probe == 1 else 1.0
+            costs.observe(8, 3, 1e-4, host=1e-6 * speed * (8 * 50 + 2 * (8 + 3 * (step % 3))), tokens=8 + 3 * (step % 3))
+            step += 1
+        if probe == 1:
+            assert not costs.knows_recursion(8) and costs.host_draft_prices(8)[4] == 0.0
+        costs.host_draft_prices(8)  # the next choice reads the line: the probe is drawn
+    assert costs.knows_recursion(8)
+    assert costs.host_draft_prices(8) == [0.0] * 5
+    assert max(costs._recursion_draws[costs.bucket(8)]) > 20e-6  # the drifted probe's draw, outvoted
 
 
 def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_recursion_s() -> None:
@@ -352,9 +377,11 @@ def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_
         costs.observe(8, k, 1e-4, host=1e-6 * 8 * (60 + 2 * tokens / 8 + 5 * min(k, 3) + 10 * max(k - 3, 0)),
                       tokens=tokens)
 
-    for i in range(64):
+    for i in range(64 + 32 * StepCosts.RECURSION_DRAWS):
         sample(i, 3 + (i // 8) % 2)
-    assert costs.host_draft_prices(8)[4] == pytest.approx(10e-6, rel=0.02)  # a choice reads the line: it fits
+        if i >= 63 and i % 32 == 31:  # a choice reads the line: it refits
+            costs.host_draft_prices(8)
+    assert costs.host_draft_prices(8)[4] == pytest.approx(10e-6, rel=0.02)
     for i in range(64):
         sample(i, 2 + (i // 8) % 3)
     price = costs.host_draft_prices(8)
