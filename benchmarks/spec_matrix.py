@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                           run.tokens_per_s / base if base else None, run.tokens_per_s / best if best else None)
             if AUTO in rows and best:
                 summary.append(f"c={c}: {rows[AUTO][0].tokens_per_s / best:.3f}")
-                paired.append(f"c={c}: {_paired_ratio(runs, fixed):.3f}")
+                paired.append(f"c={c}: {_paired_ratios(runs, fixed)}")
                 if args.repeats > 2:
                     spread, excess = _noise([[run.tokens_per_s for run in runs[k]] for k in fixed])
                     noise.append(f"c={c}: runs {spread:.1%}, best-of-{len(fixed)} excess {excess:.1%}")
@@ -273,13 +273,15 @@ def matrix_prompts(args: argparse.Namespace, n: int, vocab: int | None) -> list[
     return [[rng.randrange(vocab) for _ in range(args.random_prompt_len)] for _ in range(n)]
 
 
-def _paired_ratio(runs: dict[int | str, list[workloads.Run]], fixed: list[int]) -> float:
-    """The median over rounds of auto's tok/s over the best fixed k's in the same round (the best k by median).
-    The host's speed moves 2x between rounds on the H100 machine (session J, run 77), and a ratio of medians
-    taken over different rounds carries that; the cells of one round run one after the other."""
+def _paired_ratios(runs: dict[int | str, list[workloads.Run]], fixed: list[int]) -> str:
+    """The median over rounds of auto's tok/s over the best fixed k's in the same round (the best k by median),
+    then each round's ratio. The host's speed moves 2x between rounds on the H100 machine (session J, run 77),
+    and a ratio of medians taken over different rounds carries that; the cells of one round run one after the
+    other. The rounds show whether a shortfall is every round's or one slow round's."""
     best = max(fixed, key=lambda k: _median_run(runs[k]).tokens_per_s)
-    return statistics.median(a.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
-                             for a, b in zip(runs[AUTO], runs[best]))
+    ratios = [a.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
+              for a, b in zip(runs[AUTO], runs[best])]
+    return f"{statistics.median(ratios):.3f} (k = {best}; rounds {' '.join(f'{r:.3f}' for r in ratios)})"
 
 
 def _noise(rates: list[list[float]]) -> tuple[float, float]:

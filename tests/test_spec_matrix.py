@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,15 @@ def test_the_best_of_five_equal_cells_reads_high_by_their_spread() -> None:
 def test_one_cell_has_nothing_to_pick_from() -> None:
     spread, excess = spec_matrix._noise([[90.0, 100.0, 110.0]])
     assert spread == pytest.approx(0.14826) and abs(excess) < 0.01
+
+
+def test_auto_is_paired_round_by_round_with_the_best_fixed_k_by_median() -> None:
+    """k = 2 has the best median; auto's rounds are read against k = 2's same rounds, each shown."""
+    def runs(*rates: float) -> list[SimpleNamespace]:
+        return [SimpleNamespace(tokens_per_s=r) for r in rates]
+
+    table = {1: runs(100.0, 90.0, 80.0), 2: runs(110.0, 100.0, 60.0), spec_matrix.AUTO: runs(99.0, 100.0, 66.0)}
+    assert spec_matrix._paired_ratios(table, [1, 2]) == "1.000 (k = 2; rounds 0.900 1.000 1.100)"
 
 
 def _rounds(probes: list[float], retries: int) -> tuple[dict, list[str], list[str]]:
