@@ -130,6 +130,7 @@ class AdaptiveSpec:
         # made two full choices per request (run 171).
         self._held_of: dict[int, _Held] = {}
         self._probed_down_at: dict[int, int] = {}  # per bucket, the step of its last probe below k
+        self._newcomers_of: dict[int, tuple[int, int]] = {}  # per bucket, the last newcomers' choice: (k, step)
 
     @property
     def chosen(self) -> np.ndarray:
@@ -166,18 +167,14 @@ class AdaptiveSpec:
             if greedy != self.greedy:  # another mode, other costs: choose again now
                 self.greedy, self._held = greedy, self.dwell
                 self._held_of.clear()  # the buckets' choices were made for the other mode
+                self._newcomers_of.clear()
         self.active, bucket = self._rows_active, self._rows_bucket
         kept = self._held_of.get(bucket) if batch > 0 and bucket != self._bucket else None
         if kept is not None and t.now - kept.made_at < kept.dwell:  # a probe taken up again returns to its k
             self.k, self._bucket, self._probed_from = kept.k, bucket, kept.probed_from
             self._held, self.dwell = t.now - kept.made_at, kept.dwell
-        if rows.size == 0 and batch > 0 and newcomers_adaptive:  # only newcomers: they prefill at this k, unless
-            # the last choice was made for this bucket and still holds: at c = 1 every request arrives to an empty
-            # batch, and a full choice for each (about 0.5 ms on the H100's host) cost auto 3-5 % (run 96).
-            if bucket != self._bucket or self._held >= self.dwell:
-                return self._choose_for_newcomers(batch)
-            self._chosen[self.k] += 1
-            return self.k
+        if rows.size == 0 and batch > 0 and newcomers_adaptive:  # only newcomers: they start from the prior
+            return self._for_newcomers(batch, bucket)
         if not self.active:
             return self.k
         # The dwell holds a choice for its batch only: one made while the batch ramps up (requests admitted a
@@ -218,22 +215,39 @@ class AdaptiveSpec:
         self._chosen[self.k] += 1
         return self.k
 
+    def _for_newcomers(self, batch: int, bucket: int) -> int:
+        """The k for newcomers to an empty batch: the bucket's last choice for newcomers while it is under
+        max_dwell steps old, else a new one. At c = 1 every request arrives to an empty batch, and a full choice
+        for each (about 0.5 ms on the H100's host) cost auto 3-5 % (run 96); but the k the last request's own
+        estimates chose is not theirs: after a request whose drafts were rejected (k = 0), the next one started at
+        k = 0 for its prefill and its first dwell (simulated: 30 of its 150 steps), observing nothing there. At
+        T = 1, c = 1 auto ran 621 steps of a round at k = 0 where fixed k = 2 was best (run 237)."""
+        made = self._newcomers_of.get(bucket)
+        if made is None or self.acceptance.now - made[1] >= self.config.max_dwell:
+            return self._choose_for_newcomers(batch)
+        return self._hold(made[0])
+
     def _choose_for_newcomers(self, batch: int) -> int:
         """The k for a batch of `batch` requests that are all waiting to start (a burst after an idle spell),
         each taken as adaptive with the engine-wide prior as its acceptance. The k left over from the last
         batch (a drained one of one or two requests) had been their prefills' k: on the H100 at T = 1 and
         c = 256 the first wave of each closed loop prefilled at k = 2 or 3 and 196 requests were caught up
         when k rose to 4 (run 73). Held for the next min_dwell steps, by then chosen for its own rows."""
-        self._bucket = self._rows_bucket
         gains = [batch * reach for reach in accumulate(self.acceptance.prior_list[: self.config.max_k], mul)]
         tokens = list(accumulate(gains, initial=float(batch)))  # per k, as in choose
-        self.k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), self.k,
-                          self.config.hysteresis)
-        self._probed_from = -1
+        current = self._newcomers_of.get(self._rows_bucket, (self.k, 0))[0]  # the hysteresis holds the last such k
+        k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), current,
+                     self.config.hysteresis)
+        self._newcomers_of[self._rows_bucket] = (k, self.acceptance.now)
+        return self._hold(k)
+
+    def _hold(self, k: int) -> int:
+        """Newcomers start at k, held for min_dwell steps: by then it is chosen for their own rows."""
+        self._bucket, self.k, self._probed_from = self._rows_bucket, k, -1
         self._held, self.dwell = 0, self.config.min_dwell
         self._remember()
-        self._chosen[self.k] += 1
-        return self.k
+        self._chosen[k] += 1
+        return k
 
     def _remember(self) -> None:
         """Keep the choice just made as its bucket's."""

@@ -133,23 +133,27 @@ def test_a_burst_after_an_idle_spell_is_chosen_for_before_its_prefills() -> None
     assert spec.choose(np.array([], dtype=np.int64)) == K  # nothing waits either: the last choice stays
 
 
-def test_a_newcomer_to_the_bucket_of_a_choice_that_still_holds_keeps_it() -> None:
-    """One request at a time (c = 1): each arrives to an empty batch of the bucket the last choice was made
-    for; that choice holds for its dwell instead of a full choice per request. Past the dwell it is made
-    again, from the costs as they are then."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8))
+def test_newcomers_to_an_empty_batch_start_from_the_prior_not_from_the_last_requests_k() -> None:
+    """One request at a time (c = 1): each arrives to an empty batch. It starts at the bucket's last choice for
+    newcomers (made from the engine-wide prior, no full choice per request), not at the k the last request's own
+    estimates chose: after a request whose drafts were all rejected (k = 0), the next one had started at k = 0
+    and observed nothing there (run 237: 621 steps of a T = 1, c = 1 round at k = 0). Past max_dwell steps the
+    newcomers' choice is made again, from the costs as they are then."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8))
     for k in range(K + 1):
         spec.costs.seed(1, k, 1e-3 * (1 + 0.05 * k))
+    empty = np.array([], dtype=np.int64)
+    assert spec.choose(empty, batch=1) == K  # the prior (0.8 a position) pays for every draft
     row = np.array([spec.admit(K, True)])
-    spec.acceptance.set(row, np.full((K, 1), 0.9))
-    assert spec.choose(row) == K
+    spec.acceptance.set(row, np.zeros((K, 1)))  # this request's drafts are never accepted
+    assert [spec.choose(row) for _ in range(spec.dwell)][-1] == 0
     spec.release(int(row[0]))
+    assert spec.choose(empty, batch=1) == K  # the next request: the newcomers' k, not the last one's 0
     for k in range(1, K + 1):
         spec.costs.seed(1, k, 1e-3 * (1 + 5 * k))  # drafts now cost far more than they earn
-    empty = np.array([], dtype=np.int64)
-    assert spec.choose(empty, batch=1) == K  # within the dwell of the choice for this bucket
-    spec._held = spec.dwell
-    assert spec.choose(empty, batch=1) == 0  # the dwell is over: chosen again
+    made = spec._newcomers_of[spec.costs.bucket(1)][1]
+    spec.acceptance.now = made + spec.config.max_dwell - 1
+    assert spec.choose(empty, batch=1) == 0  # max_dwell steps on: chosen again
 
 
 def test_fixed_k_newcomers_to_an_empty_batch_make_no_choice() -> None:
