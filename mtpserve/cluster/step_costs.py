@@ -289,7 +289,6 @@ class StepCosts:
             slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
         return slope, per_draft, recursion
 
-
     def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
         """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
         draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
