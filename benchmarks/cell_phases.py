@@ -123,6 +123,34 @@ def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
     return cells + [str(sum(r.catch_ups for r in records)), " ".join(f"{k}:{n}" for k, n in sorted(per_k.items()))]
 
 
+class CostTracer:
+    """What the step-cost model was fed (StepCosts.observe, wrapped in place) in full-batch decode steps, per k:
+    the lap, the host's share (lap - blocked on the device) and the device's. Where the host's share exceeds
+    the lap of a k that runs faster, it is not the host's (design §9)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.samples: list[tuple[int, int, float, float, float]] = []  # (batch, k, lap, host, device)
+        costs = engine.adaptive.costs
+        observe = costs.observe
+
+        def traced(batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
+                   tokens: float = 0.0, greedy: bool = True, lap: float = 0.0) -> None:
+            self.samples.append((batch, k, lap, host, device))
+            observe(batch, k, device, host, overlapped, tokens, greedy, lap)
+
+        costs.observe = traced
+
+    def take(self, concurrency: int) -> str:
+        """'k: laps, lap / host / device ms (medians)' per k over the full batches since the last take."""
+        samples, self.samples = self.samples, []
+        per_k: dict[int, list[tuple[float, float, float]]] = {}
+        for batch, k, lap, host_s, device in samples:
+            if batch == concurrency:
+                per_k.setdefault(k, []).append((lap, host_s, device))
+        return "; ".join(f"k={k}: {len(v)} laps, " + " / ".join(f"{statistics.median(x[i] for x in v) * 1e3:.3f}"
+                                                            for i in range(3)) for k, v in sorted(per_k.items()))
+
+
 class ChoiceTracer:
     """Every k adaptive speculation chooses (spec_chooser.choose_k, wrapped in place): the step, what it priced
     each k at and the tokens it expected, and the k it kept or took (before AdaptiveSpec explores k - 1 or
@@ -150,17 +178,21 @@ class ChoiceTracer:
         return lines
 
 
-def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, jobs: list[workloads.Job], c: int,
-          name: str, greedy: bool) -> list:
+def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, costs: CostTracer | None,
+          jobs: list[workloads.Job], c: int, name: str, greedy: bool) -> list:
     """Run one cell of c in flight, traced -> its row from `probe ms` on (printing its choices and auto's prices
     when asked)."""
     probe = host.host_probe()
     if choices is not None:
         choices.take()  # the warm-up's and the last cell's
+    if costs is not None:
+        costs.take(c)
     tracer.start()
     run = workloads.drive(engine, jobs, c, name.replace(" ", "-"))
     if choices is not None:
         print(f"choices of {name}:", *choices.take(), sep="\n  ")
+    if costs is not None:
+        print(f"fed to the step costs, {name}, full batches, lap / host / device ms: {costs.take(c)}")
     if jobs[0].params.num_speculative_tokens == spec_matrix.AUTO and engine.adaptive is not None:
         print(f"auto {name}: {spec_matrix.describe_auto(engine, c, greedy)}")
     return [f"{probe:.2f} / {host.host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
@@ -172,6 +204,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     spec_matrix.add_matrix_args(p)
     p.add_argument("--trace-choices", action="store_true", help="print every choice of an auto cell: the cost and "
                    "tokens the chooser saw per k")
+    p.add_argument("--trace-costs", action="store_true", help="print per cell and k the medians of the laps, host and "
+                   "device shares the step-cost model was fed in full-batch steps")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency="4", max_tokens=16, min_requests=4)
     return args
@@ -198,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_tokens)
         tracer, pinned = StepTracer(engine), []
         choices = ChoiceTracer(engine) if args.trace_choices else None
+        costs = CostTracer(engine) if args.trace_costs and engine.adaptive is not None else None
         for c in concurrency:
             for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in ks[r % len(ks):] + ks[: r % len(ks)]:
-                    row = _cell(engine, tracer, choices, jobs(k, cells[c], args.max_tokens), c,
+                    row = _cell(engine, tracer, choices, costs, jobs(k, cells[c], args.max_tokens), c,
                                 f"k={k} c={c} round {r}", args.temperature == 0)
                     table.add(f"MTP{k}", str(c), str(r), *row)
         engine.shutdown()

@@ -44,3 +44,17 @@ def test_a_traced_cell_accounts_for_every_token_and_step(trained_ckpt: Path) -> 
     assert phases[0] == "prompt" and "full" in phases and phases[-1] == "drain"
     cells = cell_phases.phase_cells(records, 2)
     assert cells[-1] == f"2:{sum(1 for r in records if r.batch)}"
+
+
+def test_the_cost_tracer_reports_what_the_step_costs_were_fed_per_k(trained_ckpt: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(trained_ckpt), device="cpu", dtype="float32", max_num_seqs=2))
+    costs = cell_phases.CostTracer(engine)
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, num_speculative_tokens=2))
+            for p in prompts_of(64, [6, 7, 8, 9], seed=2)]
+    workloads.drive(engine, jobs, 2, "cell")
+    full = [s for s in costs.samples if s[0] == 2]
+    assert full and {k for _, k, _, _, _ in full} == {2}
+    assert all(lap >= host_s >= 0 and device > 0 for _, _, lap, host_s, device in full)
+    line = costs.take(2)
+    assert line.startswith(f"k=2: {len(full)} laps, ") and costs.samples == []
+    assert costs.take(2) == ""
