@@ -141,14 +141,16 @@ class CostTracer:
         costs.observe = traced
 
     def take(self, concurrency: int) -> str:
-        """'k: laps, lap / host / device ms (medians)' per k over the full batches since the last take."""
+        """'k: laps, mean lap / lap / host / device ms (the last three medians)' per k over the full batches since the
+        last take."""
         samples, self.samples = self.samples, []
         per_k: dict[int, list[tuple[float, float, float]]] = {}
         for batch, k, lap, host_s, device in samples:
             if batch == concurrency:
                 per_k.setdefault(k, []).append((lap, host_s, device))
-        return "; ".join(f"k={k}: {len(v)} laps, " + " / ".join(f"{statistics.median(x[i] for x in v) * 1e3:.3f}"
-                                                            for i in range(3)) for k, v in sorted(per_k.items()))
+        return "; ".join(f"k={k}: {len(v)} laps, {statistics.mean(x[0] for x in v) * 1e3:.3f} / "
+                         + " / ".join(f"{statistics.median(x[i] for x in v) * 1e3:.3f}" for i in range(3))
+                         for k, v in sorted(per_k.items()))
 
 
 class ChoiceTracer:
@@ -192,7 +194,7 @@ def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, c
     if choices is not None:
         print(f"choices of {name}:", *choices.take(), sep="\n  ")
     if costs is not None:
-        print(f"fed to the step costs, {name}, full batches, lap / host / device ms: {costs.take(c)}")
+        print(f"fed to the step costs, {name}, full batches, mean lap / lap / host / device ms: {costs.take(c)}")
     if jobs[0].params.num_speculative_tokens == spec_matrix.AUTO and engine.adaptive is not None:
         print(f"auto {name}: {spec_matrix.describe_auto(engine, c, greedy)}")
     return [f"{probe:.2f} / {host.host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
@@ -205,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-choices", action="store_true", help="print every choice of an auto cell: the cost and "
                    "tokens the chooser saw per k")
     p.add_argument("--trace-costs", action="store_true", help="print per cell and k the medians of the laps, host and "
-                   "device shares the step-cost model was fed in full-batch steps")
+                   "device shares the step-cost model was fed in full-batch steps (and the laps' mean)")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency="4", max_tokens=16, min_requests=4)
     return args

@@ -124,11 +124,11 @@ def test_the_hosts_share_grows_with_the_tokens_a_step_emits() -> None:
             costs.observe(8, k, 1e-4, host=0.5e-3 + 0.02e-3 * tokens, overlapped=True, tokens=tokens)
     np.testing.assert_allclose(costs.costs(8, np.array([8.0, 15, 21, 26, 31])),
                                0.5e-3 + 0.02e-3 * np.array([8.0, 15, 21, 26, 31]))
-    flat = StepCosts(K, 256)
-    for _ in range(16):
-        flat.observe(256, 3, 1e-4, host=2e-3 * rng.uniform(0.9, 1.1), overlapped=True, tokens=800 + rng.integers(0, 5))
+    flat, hosts = StepCosts(K, 256), 2e-3 * rng.uniform(0.9, 1.1, 16)
+    for host in hosts:
+        flat.observe(256, 3, 1e-4, host=host, overlapped=True, tokens=800 + rng.integers(0, 5))
     row = flat.costs(256, np.array([256.0, 470, 640, 800, 930]))
-    assert np.ptp(row) == 0 and row[0] == flat.host_line(256)[2]
+    assert np.ptp(row) == 0 and row[0] == pytest.approx(hosts.mean())  # a host-bound lap's mean
     # A window of one k alone (auto dwelling on its choice) keeps the slope its bucket drew before.
     for _ in range(2 * StepCosts.HOST_WINDOW):
         costs.observe(8, 2, 1e-4, host=0.5e-3 + 0.02e-3 * 21, overlapped=True, tokens=21)
@@ -387,3 +387,20 @@ def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_
     price = costs.host_draft_prices(8)
     assert price[1] == pytest.approx(5e-6, rel=0.02) and price[3] == pytest.approx(15e-6, rel=0.02)
     assert price[4] - price[3] == pytest.approx(10e-6, rel=0.02)
+
+
+def test_a_lap_is_priced_at_its_mean_where_host_and_device_are_close() -> None:
+    """A lap lasts the longer of host and device, so where the two are close every slow host lap is a slow step:
+    at T = 1, c = 1 on the H100, k = 0's laps (host 0.189 ms, device 0.190) had a mean 8 % over their median, and
+    priced at the medians k = 0 looked as good as k = 2, which ran 12 % faster. A k whose device has slack over
+    the host's spread is still priced at its device."""
+    costs, hosts = StepCosts(K, 8), [0.185e-3] * 12 + [0.26e-3] * 4
+    for host in hosts:
+        costs.observe(1, 0, 0.19e-3, host=host, overlapped=True, tokens=1.0, lap=max(host, 0.195e-3))
+    costs.seed(1, 1, 0.324e-3)
+    costs.seed(1, 2, 0.378e-3)
+    row = costs.costs(1, np.array([1.0, 1.5, 1.9, 2.1, 2.2]))
+    assert row[0] == pytest.approx(sum(max(h, 0.19e-3) for h in hosts) / len(hosts))  # 0.2075 ms, not 0.19
+    assert row[2] == pytest.approx(0.378e-3)
+    # k = 2 at 1.9 tokens a step beats k = 0 (4.8 against 5.0 tokens a ms); priced at the medians it lost (5.3).
+    assert choose_k([0.5, 0.4, 0.2, 0.1], 1.0, 0, row, current=0, hysteresis=0.02) == 2
