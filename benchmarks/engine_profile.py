@@ -88,7 +88,8 @@ class PhaseTimer:
                                   (runner, "_finish_uniform", "  uniform read"), (runner, "_run_general", "  general"),
                                   (runner, "_run_prefill", "  prefill"),
                                   (getattr(runner, "staging", None), "upload", "      upload"),
-                                  (getattr(runner, "staging", None), "download", "    download")):
+                                  (getattr(runner, "staging", None), "download", "    download"),
+                                  (torch.cuda.CUDAGraph if runner is not None else None, "replay", "      graph replay")):
             if owner is not None and hasattr(owner, attr):
                 setattr(owner, attr, self._timed(getattr(owner, attr), name))
 
