@@ -339,10 +339,12 @@ def _us(seconds: list[float]) -> str:
 
 
 def describe_auto(engine: LLMEngine, c: int, greedy: bool) -> str:
-    """What adaptive speculation now prices a batch of c at: the step cost per k, its host line and device row,
-    and the acceptance prior."""
+    """What adaptive speculation now prices a batch of c at: the step cost per k (emitting the tokens the acceptance
+    prior expects: priced without tokens, every host-bound k reads alike), its host line and device row, and the
+    prior."""
     adaptive = engine.adaptive
-    costs, (a, b, _) = adaptive.costs.costs(c, greedy=greedy), adaptive.costs.host_line(c)
+    tokens = c * np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(adaptive.estimates()))))
+    costs, (a, b, _) = adaptive.costs.costs(c, tokens, greedy), adaptive.costs.host_line(c)
     return (f"step cost / k=0 {np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + "
             f"{b * 1e3:.4f}/token ms + {_us(adaptive.costs.host_draft_prices(c))} us a request at k = 0.., "
             f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
