@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -96,3 +97,20 @@ def test_overlapped_counts_each_step_it_timed_once(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(step_benchmark.common, "sync", lambda device: None)
     for iters in (1, 4, 40):
         assert driver.overlapped_ms(0, "cpu", warmup=2, iters=iters) == pytest.approx(1000.0)
+
+
+def test_a_lean_reference_that_does_not_fit_reads_as_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At context 8192 and batch 32 the lean reference's dense KV did not fit beside the runner's pool on the H100,
+    and its out-of-memory error ended the run with the rows already timed unwritten: it now reads NaN ('-')."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import step_benchmark
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+    def no_room(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(step_benchmark, "LeanStep", no_room)
+    args = step_benchmark.parse_args(["--tiny", "--device", "cpu"])
+    assert math.isnan(step_benchmark.lean_ms(None, 32, 8192, 4, False, torch.device("cpu"), args))
