@@ -11,8 +11,9 @@ kept apart because they behave differently:
   tokens a step emits (postprocessing is per token: at c = 8 on the H100, 0.73 ms at k = 0 and 1.25 ms
   at k = 4) and with k itself (work per KV group). Per bucket, a line H / batch = a + b * tokens / batch
   + c * k through its last HOST_WINDOW samples at any k (per request: a draining batch moves host and
-  tokens together), so every k is priced with the host as it is now, the tokens that k would emit and
-  its drafts (c only where the window held two k, else the last c drawn). Comparing whole-lap
+  tokens together), scaled by the host's speed now (its newest samples over the line), so every k is priced
+  with the host as it is now, the tokens that k would emit and its drafts (c only where the window held two
+  k, else the last c drawn); overlapped, at the mean of max(host, device) over the host's recent speeds. Comparing whole-lap
   medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1 where the steps
   were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
@@ -98,6 +99,7 @@ class StepCosts:
         self.k_laps = [[deque(maxlen=self.K_LAPS) for _ in range(max_k + 1)] for _ in range(nb)]
         self._bucket_of = np.searchsorted(self.buckets, np.arange(max_rows + 1)).tolist()
         self._slopes = [(0.0, 0.0, 0.0)] * nb  # per bucket, (b, c, c past the modules) of its last fit
+        self._bases = [0.0] * nb  # per bucket, the level a of its last fit (per request, at the window's speed)
         self._fitted_at = [0] * nb  # host_samples at that fit
         self.k_seen = [[0] * (max_k + 1) for _ in range(nb)]  # per (bucket, k): host_samples at its last sample
 
@@ -151,14 +153,14 @@ class StepCosts:
         (None: the host's share as it is now at every k; a unitless prior before any timing)."""
         device = self._device(batch, greedy)
         if tokens is None:
-            host, spread = [self.host_line(batch)[2]] * len(device), [0.0]
+            host, spread = [self.host_line(batch)[2]] * len(device), [1.0]
         else:
             host, spread = self._host(batch, tokens), self._host_spread(batch)
-        if self.overlapped:  # a lap lasts the longer of the two: its mean, over the host's recent spread
-            return np.array([sum(max(h + s, d + g) for s in spread) / len(spread)
+        if self.overlapped:  # a lap lasts the longer of the two: its mean, over the host's recent speeds
+            return np.array([sum(max(h * q, d + g) for q in spread) / len(spread)
                              for h, d, g in zip(host, device, self._gaps(batch))])
         mean_spread = sum(spread) / len(spread)
-        return np.array([h + mean_spread + d for h, d in zip(host, device)])
+        return np.array([h * mean_spread + d for h, d in zip(host, device)])
 
     def device(self, batch: int, greedy: bool = True) -> np.ndarray:
         """[K + 1] device seconds of a step at each k (estimated where not measured)."""
@@ -232,23 +234,44 @@ class StepCosts:
         grows with the requests it handles, and a row of device time alone would price drafts as if the
         host were free. Zeros before any sample.
 
-        The level a (and the median) follow the bucket's newest samples at every call; the slopes b and c,
-        drawn from its whole window, are fitted again only once the bucket's samples have grown by half
-        since the last fit, or by HOST_REFIT: a fit is most of a full choice's host time (about 0.4 ms of
-        1.1 on the H100's host, run 168), half a window moves it little, and a small bucket that a
-        draining batch passes through would otherwise fit at every choice."""
+        The host's speed (and the median) follow the bucket's newest samples at every call; the line itself, its
+        level and slopes b and c drawn from its whole window, is fitted again only once the bucket's samples have
+        grown by half since the last fit, or by HOST_REFIT: a fit is most of a full choice's host time (about
+        0.4 ms of 1.1 on the H100's host, run 168), half a window moves it little, and a small bucket that a
+        draining batch passes through would otherwise fit at every choice. The speed scales the whole line (see
+        _speeds)."""
         b = self._sampled_bucket(batch)
         if b is None:
             return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0
+        newest = self._refit(b)
+        (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
+        price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
+        speed = lower_median(self._speeds(b, newest))
+        return (base * speed * batch, slope * speed, [p * speed for p in price],
+                lower_median([s for s, _, _ in newest]) * batch)
+
+    def _refit(self, b: int) -> list[tuple[float, float, int]]:
+        """Bucket b's newest samples (per request), its line fitted again first where that is due (see _host_fit)."""
         count = self.host_samples[b]
-        newest = list(islice(reversed(self.host_recent[b]), self.window))  # per request, the newest samples
+        newest = list(islice(reversed(self.host_recent[b]), self.window))
         if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
-            self._slopes[b] = self._fit_slopes(b, newest)
+            slope, per_draft, recursion = self._slopes[b] = self._fit_slopes(b, newest)
+            price = self._draft_price(per_draft, recursion)
+            self._bases[b] = max(lower_median([s - slope * e - price[k] for s, e, k in self.host_recent[b]]), 0.0)
             self._fitted_at[b] = count
-        slope, per_draft, recursion = self._slopes[b]
-        price = self._draft_price(per_draft, recursion)
-        level = lower_median([s - slope * e - price[k] for s, e, k in newest])
-        return level * batch, slope, [max(p, 0.0) for p in price], lower_median([s for s, _, _ in newest]) * batch
+        return newest
+
+    def _speeds(self, b: int, newest: list[tuple[float, float, int]]) -> list[float]:
+        """Per newest sample of bucket b, its host share over what the bucket's line gives at its tokens and k: the
+        host's speed then, relative to the line's window. A slower host is slower at every part of a step (on the
+        H100 every host phase of a cell moved alike, run 77), so the speed scales the line's level, tokens and
+        drafts together. Added to the level alone, as until 1ee090a, a slowdown while auto dwelt at k = 4 also
+        charged k = 2 the slowed part of k = 4's tokens and drafts, and a slowdown at k = 2 spared k = 4 the
+        slowed part of its own: at T = 1, c = 8 the host slowed 2x, auto went to k = 4 and stayed there, at
+        0.63-0.82 of the best fixed k (runs 239 and 242)."""
+        (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
+        price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
+        return [s / max(base + slope * e + price[k], 1e-12) for s, e, k in newest]
 
     def _sampled_bucket(self, batch: int) -> int | None:
         """This batch's bucket, or where it has no host sample the nearest one that has (None: none has)."""
@@ -259,23 +282,18 @@ class StepCosts:
         return b
 
     def _host_spread(self, batch: int) -> list[float]:
-        """The host's share of this batch's recent steps less its level (seconds, scaled to the batch as the
-        level is; each at most the level, as the line's fits leave out samples over twice their median). The
-        level is a lower median, and a step lasts the longer of host and device: where the two are close, every
-        slow host lap is a slow step. At T = 1, c = 1 on the H100 fixed k = 0's laps had a median of 0.195 ms
-        (host 0.189, device 0.190) and a mean of 0.212, k = 2's 0.387 and 0.393: priced at their medians, the
-        two looked 5 % apart where k = 2 ran 12 % faster, and auto ran k = 0 for half its steps (run 1 of
-        session Z)."""
+        """The host's speed in this batch's recent steps over its lower median (each at most 2: the line's fits
+        leave out samples over twice their median). A step lasts the longer of host and device: where the two
+        are close, every slow host lap is a slow step. At T = 1, c = 1 on the H100 fixed k = 0's laps had a
+        median of 0.196 ms (host 0.189, device 0.190) and a mean of 0.212, k = 2's 0.387 and 0.393: priced at
+        their medians, the two looked 5 % apart where k = 2 ran 12 % faster, and auto ran k = 0 for half its
+        steps (run 238)."""
         b = self._sampled_bucket(batch)
         if b is None:
-            return [0.0]
-        newest = list(islice(reversed(self.host_recent[b]), self.window))
-        slope, per_draft, recursion = self._slopes[b]
-        price = self._draft_price(per_draft, recursion)
-        residuals = [s - slope * e - price[k] for s, e, k in newest]
-        level = lower_median(residuals)
-        cap = 2.0 * level if level > 0 else max(residuals)
-        return [(min(r, cap) - level) * batch for r in residuals]
+            return [1.0]
+        speeds = self._speeds(b, self._refit(b))
+        now = lower_median(speeds)
+        return [min(v / now, 2.0) for v in speeds] if now > 0 else [1.0]
 
     def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float, float]:
         """(b, c, c past the modules) of bucket b's host line: drawn from its window, bounded by its newest

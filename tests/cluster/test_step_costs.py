@@ -138,8 +138,8 @@ def test_the_hosts_share_grows_with_the_tokens_a_step_emits() -> None:
 
 def test_a_full_windows_slopes_wait_for_host_refit_samples_and_its_level_follows_at_once() -> None:
     """A fit of the slopes is most of a full choice's host time: once a bucket's window is full they are drawn
-    again every HOST_REFIT samples, while the level follows every sample (a host that slowed down shows in
-    the next choice's prices)."""
+    again every HOST_REFIT samples, while the host's speed follows every sample (a host that slowed down shows
+    in the next choice's prices, its tokens' share too)."""
     costs, rng = StepCosts(K, 8), np.random.default_rng(0)
     for i in range(StepCosts.HOST_WINDOW):
         tokens = 8 * (1 + rng.integers(0, 3))
@@ -149,12 +149,15 @@ def test_a_full_windows_slopes_wait_for_host_refit_samples_and_its_level_follows
     for i in range(costs.window):  # the host slows by 0.3 ms a step, and per token too
         tokens = 8 * (1 + rng.integers(0, 3))
         costs.observe(8, 2 * (i % 2), 1e-4, host=0.8e-3 + 0.04e-3 * tokens, overlapped=True, tokens=tokens)
+    fitted = costs._slopes[costs.bucket(8)]
     a2, slope2, _ = costs.host_line(8)
-    assert slope2 == slope and a2 > a + 0.3e-3  # the level moved at once (the tokens' share with it)
+    assert a2 > a + 0.3e-3 and slope2 > 1.5 * slope  # at once: the line scaled by the host's speed
+    assert costs._slopes[costs.bucket(8)] == fitted  # not fitted again
     for i in range(StepCosts.HOST_REFIT):
         tokens = 8 * (1 + rng.integers(0, 3))
         costs.observe(8, 2 * (i % 2), 1e-4, host=0.8e-3 + 0.04e-3 * tokens, overlapped=True, tokens=tokens)
-    assert costs.host_line(8)[1] > 1.2 * slope  # fitted again
+    costs.host_line(8)
+    assert costs._slopes[costs.bucket(8)][0] > 1.2 * fitted[0]  # fitted again
 
 
 def test_first_samples_of_seeded_cells_update_their_row_without_a_refit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,3 +407,23 @@ def test_a_lap_is_priced_at_its_mean_where_host_and_device_are_close() -> None:
     assert row[2] == pytest.approx(0.378e-3)
     # k = 2 at 1.9 tokens a step beats k = 0 (4.8 against 5.0 tokens a ms); priced at the medians it lost (5.3).
     assert choose_k([0.5, 0.4, 0.2, 0.1], 1.0, 0, row, current=0, hysteresis=0.02) == 2
+
+
+def test_a_slower_host_scales_every_part_of_the_line() -> None:
+    """A slower host is slower at every part of a step (run 77 on the H100: every host phase alike), so its speed
+    scales the line's level, tokens and drafts together. Added to the level alone, a slowdown while dwelling at
+    k = 4 charged every lower k the slowed part of k = 4's tokens and drafts."""
+    costs, rng = StepCosts(K, 8), np.random.default_rng(1)
+
+    def host(k: int, tokens: float, speed: float) -> float:  # per step of 8 requests: 0.15 ms + 20 us a token
+        return speed * (0.15e-3 + 20e-6 * tokens + 8 * 2e-6 * k)
+
+    for i in range(StepCosts.HOST_WINDOW):  # two k's at speed 1: the line is drawn
+        k = 2 * (1 + i % 2)
+        tokens = 8 + rng.integers(0, 8 * k + 1)
+        costs.observe(8, k, 1e-4, host=host(k, tokens, 1.0), overlapped=True, tokens=tokens)
+    for _ in range(costs.window):  # then the host slows 2x while auto dwells at k = 4
+        tokens = 8 + rng.integers(16, 33)
+        costs.observe(8, 4, 1e-4, host=host(4, tokens, 2.0), overlapped=True, tokens=tokens)
+    emitted = np.array([8.0, 13, 17, 19, 20])
+    np.testing.assert_allclose(costs.host(8, emitted), [host(k, t, 2.0) for k, t in enumerate(emitted)], rtol=0.02)
