@@ -13,9 +13,9 @@ kept apart because they behave differently:
   + c * k through its last HOST_WINDOW samples at any k (per request: a draining batch moves host and
   tokens together), scaled by the host's speed now (its newest samples over the line), so every k is priced
   with the host as it is now, the tokens that k would emit and its drafts (c only where the window held two
-  k, else the last c drawn); overlapped, at the mean of max(host, device) over the host's recent speeds. Comparing whole-lap
-  medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1 where the steps
-  were about 1.4x, and auto picked k's that the fixed-k runs beat.
+  k, else the last c drawn); overlapped, at the mean of max(host, device) over the host's recent speeds.
+  Comparing whole-lap medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1
+  where the steps were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class StepCosts:
         if tokens is None:
             host, spread = [self.host_line(batch)[2]] * len(device), [1.0]
         else:
-            host, spread = self._host(batch, tokens), self._host_spread(batch)
+            fit = self._host_fit(batch)
+            host, spread = self._host(batch, fit, tokens), fit[4]
         if self.overlapped:  # a lap lasts the longer of the two: its mean, over the host's recent speeds
             return np.array([sum(max(h * q, d + g) for q in spread) / len(spread)
                              for h, d, g in zip(host, device, self._gaps(batch))])
@@ -185,20 +186,20 @@ class StepCosts:
         if tokens is None:
             return self.host_line(batch)[2]
         if np.ndim(tokens) == 0:
-            a, slope, _, _ = self._host_fit(batch)
+            a, slope, *_ = self._host_fit(batch)
             return max(a + slope * float(tokens), 0.0)
-        return np.array(self._host(batch, tokens))
+        return np.array(self._host(batch, self._host_fit(batch), tokens))
 
-    def _host(self, batch: int, tokens: np.ndarray | list[float]) -> list[float]:
+    def _host(self, batch: int, fit: tuple, tokens: np.ndarray | list[float]) -> list[float]:
         """host() at tokens[k] emitted by a step of k drafts, k = 0.."""
-        a, slope, price, _ = self._host_fit(batch)
+        a, slope, price, *_ = fit
         emitted = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
         return [max(a + slope * t + batch * price[k], 0.0) for k, t in enumerate(emitted)]
 
     def host_line(self, batch: int) -> tuple[float, float, float]:
         """(a, b, median) of the host's share of a step of `batch` requests at k = 0: seconds = a + b * tokens
         (see _host_fit), and the lower median of the bucket's recent samples, scaled to this batch."""
-        a, slope, _, median = self._host_fit(batch)
+        a, slope, _, median, _ = self._host_fit(batch)
         return a, slope, median
 
     def one_k_run(self, batch: int, k: int) -> int:
@@ -224,8 +225,8 @@ class StepCosts:
         m = self.modules
         return [per_draft * min(k, m) + recursion * max(k - m, 0) for k in range(self.max_k + 1)]
 
-    def _host_fit(self, batch: int) -> tuple[float, float, list[float], float]:
-        """(a, b, price, median): seconds = a + b * tokens + batch * price[k], price[k] = c * k (c past the
+    def _host_fit(self, batch: int) -> tuple[float, float, list[float], float, list[float]]:
+        """(a, b, price, median, spread): seconds = a + b * tokens + batch * price[k], price[k] = c * k (c past the
         modules where drawn there: see host_recursion_slopes). The line is drawn per request
         (host / batch against tokens / batch and k): within one bucket a draining batch moves host and tokens
         together, and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256
@@ -239,16 +240,25 @@ class StepCosts:
         grown by half since the last fit, or by HOST_REFIT: a fit is most of a full choice's host time (about
         0.4 ms of 1.1 on the H100's host, run 168), half a window moves it little, and a small bucket that a
         draining batch passes through would otherwise fit at every choice. The speed scales the whole line (see
-        _speeds)."""
+        _speeds).
+
+        spread: each newest sample's speed over the speed now (their lower median), at most 2 (the line's fits
+        leave out samples over twice their median). A step lasts the longer of host and device: where the two
+        are close, every slow host lap is a slow step. At T = 1, c = 1 on the H100 fixed k = 0's laps had a
+        median of 0.196 ms (host 0.189, device 0.190) and a mean of 0.212, k = 2's 0.387 and 0.393: priced at
+        their medians, the two looked 5 % apart where k = 2 ran 12 % faster, and auto ran k = 0 for half its
+        steps (run 238)."""
         b = self._sampled_bucket(batch)
         if b is None:
-            return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0
+            return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0, [1.0]
         newest = self._refit(b)
         (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
         price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
-        speed = lower_median(self._speeds(b, newest))
+        speeds = _speeds(newest, base, slope, price)
+        speed = lower_median(speeds)
+        spread = [min(v / speed, 2.0) for v in speeds] if speed > 0 else [1.0]
         return (base * speed * batch, slope * speed, [p * speed for p in price],
-                lower_median([s for s, _, _ in newest]) * batch)
+                lower_median([s for s, _, _ in newest]) * batch, spread)
 
     def _refit(self, b: int) -> list[tuple[float, float, int]]:
         """Bucket b's newest samples (per request), its line fitted again first where that is due (see _host_fit)."""
@@ -261,18 +271,6 @@ class StepCosts:
             self._fitted_at[b] = count
         return newest
 
-    def _speeds(self, b: int, newest: list[tuple[float, float, int]]) -> list[float]:
-        """Per newest sample of bucket b, its host share over what the bucket's line gives at its tokens and k: the
-        host's speed then, relative to the line's window. A slower host is slower at every part of a step (on the
-        H100 every host phase of a cell moved alike, run 77), so the speed scales the line's level, tokens and
-        drafts together. Added to the level alone, as until 1ee090a, a slowdown while auto dwelt at k = 4 also
-        charged k = 2 the slowed part of k = 4's tokens and drafts, and a slowdown at k = 2 spared k = 4 the
-        slowed part of its own: at T = 1, c = 8 the host slowed 2x, auto went to k = 4 and stayed there, at
-        0.63-0.82 of the best fixed k (runs 239 and 242)."""
-        (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
-        price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
-        return [s / max(base + slope * e + price[k], 1e-12) for s, e, k in newest]
-
     def _sampled_bucket(self, batch: int) -> int | None:
         """This batch's bucket, or where it has no host sample the nearest one that has (None: none has)."""
         b = self.bucket(batch)
@@ -280,20 +278,6 @@ class StepCosts:
             sampled = [i for i, n in enumerate(self.host_samples) if n]
             return self._nearest(sampled, b) if sampled else None
         return b
-
-    def _host_spread(self, batch: int) -> list[float]:
-        """The host's speed in this batch's recent steps over its lower median (each at most 2: the line's fits
-        leave out samples over twice their median). A step lasts the longer of host and device: where the two
-        are close, every slow host lap is a slow step. At T = 1, c = 1 on the H100 fixed k = 0's laps had a
-        median of 0.196 ms (host 0.189, device 0.190) and a mean of 0.212, k = 2's 0.387 and 0.393: priced at
-        their medians, the two looked 5 % apart where k = 2 ran 12 % faster, and auto ran k = 0 for half its
-        steps (run 238)."""
-        b = self._sampled_bucket(batch)
-        if b is None:
-            return [1.0]
-        speeds = self._speeds(b, self._refit(b))
-        now = lower_median(speeds)
-        return [min(v / now, 2.0) for v in speeds] if now > 0 else [1.0]
 
     def _fit_slopes(self, b: int, newest: list[tuple[float, float, int]]) -> tuple[float, float, float]:
         """(b, c, c past the modules) of bucket b's host line: drawn from its window, bounded by its newest
@@ -348,6 +332,17 @@ class StepCosts:
             self._recursion_probe[b] = probe
         if len(draws) == draws.maxlen:
             self.host_recursion_slopes[b] = lower_median(draws)
+
+
+def _speeds(newest: list[tuple[float, float, int]], base: float, slope: float, price: list[float]) -> list[float]:
+    """Per sample (per request: host seconds, tokens, k), its host share over what the line (base + slope * tokens
+    + price[k]) gives: the host's speed then, relative to the line's window. A slower host is slower at every
+    part of a step (on the H100 every host phase of a cell moved alike, run 77), so the speed scales the line's
+    level, tokens and drafts together. Added to the level alone, as until 1ee090a, a slowdown while auto dwelt
+    at k = 4 also charged k = 2 the slowed part of k = 4's tokens and drafts, and a slowdown at k = 2 spared
+    k = 4 the slowed part of its own: at T = 1, c = 8 the host slowed 2x, auto went to k = 4 and stayed there,
+    at 0.63-0.82 of the best fixed k (runs 239 and 242)."""
+    return [s / max(base + slope * e + price[k], 1e-12) for s, e, k in newest]
 
 
 def _host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float) -> float | None:
