@@ -340,8 +340,8 @@ def _speeds(newest: list[tuple[float, float, int]], base: float, slope: float, p
     part of a step (on the H100 every host phase of a cell moved alike, run 77), so the speed scales the line's
     level, tokens and drafts together. Added to the level alone, as until 1ee090a, a slowdown while auto dwelt
     at k = 4 also charged k = 2 the slowed part of k = 4's tokens and drafts, and a slowdown at k = 2 spared
-    k = 4 the slowed part of its own: at T = 1, c = 8 the host slowed 2x, auto went to k = 4 and stayed there,
-    at 0.63-0.82 of the best fixed k (runs 239 and 242)."""
+    k = 4 the slowed part of its own: at T = 1, c = 8 the host slowed 2x, auto went to k = 4 and stayed there
+    (runs 239 and 242)."""
     return [s / max(base + slope * e + price[k], 1e-12) for s, e, k in newest]
 
 
