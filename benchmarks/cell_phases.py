@@ -125,8 +125,7 @@ def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
 
 class CostTracer:
     """What the step-cost model was fed (StepCosts.observe, wrapped in place) in full-batch decode steps, per k:
-    the lap, the host's share (lap - blocked on the device) and the device's. Where the host's share exceeds
-    the lap of a k that runs faster, it is not the host's (design §9)."""
+    the lap, the host's share (lap - blocked on the device) and the device's (design §9)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.samples: list[tuple[int, int, float, float, float]] = []  # (batch, k, lap, host, device)

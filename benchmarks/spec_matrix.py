@@ -64,6 +64,7 @@ import torch  # noqa: E402
 
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
+from mtpserve.cluster.spec_chooser import expected_tokens  # noqa: E402
 from mtpserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -343,7 +344,7 @@ def describe_auto(engine: LLMEngine, c: int, greedy: bool) -> str:
     prior expects: priced without tokens, every host-bound k reads alike), its host line and device row, and the
     prior."""
     adaptive = engine.adaptive
-    tokens = c * np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(adaptive.estimates()))))
+    tokens = c * expected_tokens(np.array([adaptive.estimates()]))[0]
     costs, (a, b, _) = adaptive.costs.costs(c, tokens, greedy), adaptive.costs.host_line(c)
     return (f"step cost / k=0 {np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + "
             f"{b * 1e3:.4f}/token ms + {_us(adaptive.costs.host_draft_prices(c))} us a request at k = 0.., "
