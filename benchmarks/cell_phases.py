@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         choices = ChoiceTracer(engine) if args.trace_choices else None
         costs = CostTracer(engine) if args.trace_costs and engine.adaptive is not None else None
         for c in concurrency:
-            for r in range(args.repeats):  # the k's in rotated order, as spec_matrix.py runs them
+            for r in range(args.repeats):  # the k's in spec_matrix.py's balanced order
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
-                for k in ks[r % len(ks):] + ks[: r % len(ks)]:
+                for k in common.balanced_order(ks, r):
                     row = _cell(engine, tracer, choices, costs, jobs(k, cells[c], args.max_tokens), c,
                                 f"k={k} c={c} round {r}", args.temperature == 0)
                     table.add(f"MTP{k}", str(c), str(r), *row)

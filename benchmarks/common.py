@@ -87,6 +87,23 @@ def parse_ks(text: str) -> list[int | str]:
     return [part.strip() if part.strip() == "auto" else int(part) for part in text.split(",") if part.strip()]
 
 
+def balanced_order(items: Sequence[Any], r: int) -> list[Any]:
+    """Round r's order of the cells `items`: row r of a Williams design (0, 1, n-1, 2, n-2, ..., each shifted by r).
+    Over n rounds every item runs once in every position and, for an even n, right after every other item once.
+    A plain rotation keeps each item behind the same neighbour in every round: in spec_matrix.py's 0..4 + auto,
+    auto always ran right after k = 4, the best fixed k of the greedy and random matrices, and the host's speed
+    drifts within a round (the fastest core, pinned at its start, slows toward its mean), which charged auto the
+    drift every round."""
+    n, base, low, high = len(items), [0], 1, len(items) - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    return [items[(b + r) % n] for b in base]
+
+
 # --- timing ------------------------------------------------------------------------------------
 
 

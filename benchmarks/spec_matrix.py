@@ -100,7 +100,8 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per cell = this x concurrency ...")
     p.add_argument("--min-requests", type=int, default=8, help="... but at least this many")
     p.add_argument("--repeats", type=int, default=1,
-                   help="measured runs per cell, the k's rotated each round; the row is the median run (cells of "
+                   help="measured runs per cell, the k's in a balanced order (common.balanced_order: a multiple of the "
+                        "number of k's balances it fully); the row is the median run (cells of "
                         "one run varied by 10 %% on the H100, more than auto's target allows)")
     p.add_argument("--no-capture-at-start", action="store_true", help="EngineConfig.capture_graphs_at_start=False")
     p.add_argument("--prefill-step-rows", type=int, default=None,
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    if server else "step() returns the tokens")
              + "; percentiles interpolated over requests"]
     if args.repeats > 1:
-        notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in rotated order each round")
+        notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in a balanced order (a Williams "
+                     "design: over as many rounds as k's, each k once in every position and after every other k)")
     notes += round_notes
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
@@ -205,8 +207,8 @@ Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model na
 def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[workloads.Job]], ks: list[int | str],
                    c: int, n: int, args: argparse.Namespace, device: torch.device
                    ) -> tuple[dict[int | str, list[workloads.Run]], list[str]]:
-    """--repeats rounds of every k's cell of n requests at concurrency c, the k's in rotated order (no k always runs
-    first) -> (runs per k, a note per round). Where the driving thread is pinned (pin_driver), each round pins it
+    """--repeats rounds of every k's cell of n requests at concurrency c, the k's in a balanced order (no k always runs
+    first, nor always after the same k) -> (runs per k, a note per round, with its order and each cell's tok/s). Where the driving thread is pinned (pin_driver), each round pins it
     again and times the host probe (benchmarks/host.py) before every cell and after the last; a round whose probes
     spread by more than --steady-host runs again, up to --steady-retries times, so that the cells compared round by
     round ran at one host speed (the H100 machine's cores change speed within a round, session U). The rounds are
@@ -214,7 +216,7 @@ def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[w
     runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
     notes = []
     for r in range(args.repeats):
-        order = ks[r % len(ks):] + ks[: r % len(ks)]
+        order = common.balanced_order(ks, r)
         for attempt in range(args.steady_retries + 1):
             pin, probing = pin_driver(args, device), pinnable(args, device) and args.pin_cpu != "none"
             got, probes = {}, []
@@ -225,10 +227,17 @@ def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[w
             if not probes or max(probes) <= (1 + args.steady_host) * min(probes):
                 break
         spread = f"; host probe {min(probes):.2f}-{max(probes):.2f} ms" if probes else ""
-        notes.append(f"c={c} round {r}: {pin}{spread}" + (f" (attempt {attempt + 1})" if attempt else ""))
+        cells = ", ".join(f"{k} {_rate(got[k])}" for k in order)
+        notes.append(f"c={c} round {r}: {pin}{spread}" + (f" (attempt {attempt + 1})" if attempt else "")
+                     + f"; in order, tok/s: {cells}")
         for k, run in got.items():
             runs[k].append(run)
     return runs, notes
+
+
+def _rate(run: "workloads.Run") -> str:
+    rate = getattr(run, "tokens_per_s", None)
+    return "-" if rate is None else f"{rate:.0f}"
 
 
 def pinnable(args: argparse.Namespace, device: torch.device) -> bool:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import common  # noqa: E402
 import spec_matrix  # noqa: E402
 
 
@@ -74,3 +75,30 @@ def test_a_round_runs_at_most_its_retries_again() -> None:
     runs, notes, ran = _rounds(slowed * 2 + [2.5, 2.5, 2.5], retries=1)
     assert runs[0] == ["k0c8r0a1", "k0c8r1a0"] and len(ran) == 6
     assert "2.50-4.30 ms (attempt 2)" in notes[0]
+
+
+@pytest.mark.parametrize("n", [2, 5, 6])
+def test_the_balanced_order_puts_every_k_once_in_every_position(n: int) -> None:
+    rounds = [common.balanced_order(list(range(n)), r) for r in range(n)]
+    assert all(sorted(order) == list(range(n)) for order in rounds)
+    assert all(sorted(order[i] for order in rounds) == list(range(n)) for i in range(n))
+
+
+def test_the_balanced_order_puts_every_k_right_after_every_other_once() -> None:
+    """The matrix's six cells: auto no longer always follows k = 4 (a rotation ran it right after k = 4 each round)."""
+    ks = [0, 1, 2, 3, 4, spec_matrix.AUTO]
+    rounds = [common.balanced_order(ks, r) for r in range(len(ks))]
+    pairs = [(a, b) for order in rounds for a, b in zip(order, order[1:])]
+    assert len(set(pairs)) == len(pairs) == len(ks) * (len(ks) - 1)
+    assert sum(order.index(spec_matrix.AUTO) < order.index(4) for order in rounds) == 3
+
+
+def test_each_round_notes_its_cells_in_order_with_their_rates() -> None:
+    def drive(jobs: list, c: int, prefix: str) -> SimpleNamespace:
+        return SimpleNamespace(tokens_per_s=1000.0 if prefix.startswith("k0") else 2000.0)
+
+    args = argparse.Namespace(repeats=2, steady_retries=0, steady_host=0.15, max_tokens=4, pin_cpu="none",
+                              grpc=None, http=None)
+    _, notes = spec_matrix.measure_rounds(drive, lambda k, n, t: [], [0, "auto"], 8, 16, args, torch.device("cpu"))
+    assert notes[0].endswith("in order, tok/s: 0 1000, auto 2000")
+    assert notes[1].endswith("in order, tok/s: auto 2000, 0 1000")
