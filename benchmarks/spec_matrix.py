@@ -209,10 +209,11 @@ def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[w
                    ) -> tuple[dict[int | str, list[workloads.Run]], list[str]]:
     """--repeats rounds of every k's cell of n requests at concurrency c, the k's in a balanced order (no k always runs
     first, nor always after the same k) -> (runs per k, a note per round, with its order and each cell's tok/s).
-    Where the driving thread is pinned (pin_driver), each round pins it again and times the host probe (benchmarks/host.py) before every cell and after the last; a round whose probes
-    spread by more than --steady-host runs again, up to --steady-retries times, so that the cells compared round by
-    round ran at one host speed (the H100 machine's cores change speed within a round, session U). The rounds are
-    judged by the probe alone, never by their tok/s."""
+    Where the driving thread is pinned (pin_driver), each round pins it again and times the host probe
+    (benchmarks/host.py) before every cell and after the last; a round whose probes spread by more than
+    --steady-host runs again, up to --steady-retries times, so that the cells compared round by round ran at one
+    host speed (the H100 machine's cores change speed within a round, session U). The rounds are judged by the
+    probe alone, never by their tok/s."""
     runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
     notes = []
     for r in range(args.repeats):
