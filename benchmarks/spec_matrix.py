@@ -231,6 +231,7 @@ def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[w
         cells = ", ".join(f"{k} {_rate(got[k])}" for k in order)
         notes.append(f"c={c} round {r}: {pin}{spread}" + (f" (attempt {attempt + 1})" if attempt else "")
                      + f"; in order, tok/s: {cells}")
+        print(notes[-1], flush=True)  # as it ends: a run cut short (a timeout) still shows the rounds it made
         for k, run in got.items():
             runs[k].append(run)
     return runs, notes

@@ -93,7 +93,8 @@ def test_the_balanced_order_puts_every_k_right_after_every_other_once() -> None:
     assert sum(order.index(spec_matrix.AUTO) < order.index(4) for order in rounds) == 3
 
 
-def test_each_round_notes_its_cells_in_order_with_their_rates() -> None:
+def test_each_round_notes_its_cells_in_order_with_their_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    """... and prints the note as the round ends, so that a run cut short still shows the rounds it made."""
     def drive(jobs: list, c: int, prefix: str) -> SimpleNamespace:
         return SimpleNamespace(tokens_per_s=1000.0 if prefix.startswith("k0") else 2000.0)
 
@@ -102,3 +103,4 @@ def test_each_round_notes_its_cells_in_order_with_their_rates() -> None:
     _, notes = spec_matrix.measure_rounds(drive, lambda k, n, t: [], [0, "auto"], 8, 16, args, torch.device("cpu"))
     assert notes[0].endswith("in order, tok/s: 0 1000, auto 2000")
     assert notes[1].endswith("in order, tok/s: auto 2000, 0 1000")
+    assert capsys.readouterr().out.splitlines() == notes
