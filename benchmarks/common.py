@@ -91,9 +91,9 @@ def balanced_order(items: Sequence[Any], r: int) -> list[Any]:
     """Round r's order of the cells `items`: row r of a Williams design (0, 1, n-1, 2, n-2, ..., each shifted by r).
     Over n rounds every item runs once in every position and, for an even n, right after every other item once.
     A plain rotation keeps each item behind the same neighbour in every round: in spec_matrix.py's 0..4 + auto,
-    auto always ran right after k = 4, the best fixed k of the greedy and random matrices, and the host's speed
-    drifts within a round (the fastest core, pinned at its start, slows toward its mean), which charged auto the
-    drift every round."""
+    auto always ran right after k = 4, the best fixed k of the greedy and random matrices, so whatever the cell
+    before leaves (or a drift of the host's speed within a round) fell on auto alone. The H100 runs after the
+    change (251-252) showed no such effect beyond their noise: the design rules it out rather than fixing one."""
     n, base, low, high = len(items), [0], 1, len(items) - 1
     while len(base) < n:
         base.append(low)

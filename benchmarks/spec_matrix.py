@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
              + "; percentiles interpolated over requests"]
     if args.repeats > 1:
         notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in a balanced order (a Williams "
-                     "design: over as many rounds as k's, each k once in every position and after every other k)")
+                     "design: over as many rounds as k's, each k once in every position and, for an even count "
+                     "of k's, once right after every other k)")
     notes += round_notes
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
