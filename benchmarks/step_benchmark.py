@@ -24,7 +24,9 @@ draft j the MTP module's weights and the shared LM head again (each draft is its
 plus the KV the target and each drafting module attend over. A torch.profiler table splits one
 verify step (--profile-batch, --profile-k) into its top kernels by self device time.
 
-One draft position (issue 12's third target): a step that verifies one draft and drafts one (window 2,
+A verify window alone (issue 12's second target, "verify windows of 4 tokens"): a step of window k + 1 that
+drafts none (chain 0), against a k = 0 step's floor over the window's KV; the k-draft rows above also hold
+the chain. One draft position (issue 12's third target): a step that verifies one draft and drafts one (window 2,
 chain 1: MTP module 0 over the window's rows, the LM head, draft sampling) minus a step of the same
 window that drafts none, against its own floor: module 0's weights + the LM head + module 0's KV. (A
 step that drafts pads its verify window to its chain: measured against the k = 0 step, as before
@@ -49,6 +51,7 @@ import common  # noqa: E402
 from common import Table, check, gb  # noqa: E402
 from lean_step import LeanStep  # noqa: E402
 from step_profile import draft_profile_table, profile_table  # noqa: E402
+from step_windows import draft_position_ms, verify_window_ms  # noqa: E402
 from mtpserve.kernels import linear_dispatch, pdl  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -225,6 +228,12 @@ def floor_bytes(model: LoadedModel, batch: int, k: int, context: int, dtype_size
     return weights, kv
 
 
+def window_floor_bytes(model: LoadedModel, batch: int, k: int, context: int, dtype_size: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) of a verify window of k + 1 tokens without its chain: a k = 0 step's weights, and
+    the target's KV over the window's positions (no module's)."""
+    return floor_bytes(model, batch, 0, context + k, dtype_size)
+
+
 def draft_floor_bytes(model: LoadedModel, batch: int, context: int, dtype_size: int) -> tuple[int, int]:
     """(weight bytes, KV bytes) of one draft position: MTP module 0, the LM head, module 0's KV."""
     cfg = model.config
@@ -246,18 +255,6 @@ def time_step(driver: Driver, batch: int, spec: int, drafts: int, device: torch.
     """Prefill `batch` requests that draft `spec` tokens, then time steps verifying `drafts` each."""
     driver.prefill(batch, spec, args.context, args.prefill_tokens)
     return common.time_ms(lambda: driver.verify_step(drafts), device, args.warmup, args.iters)
-
-
-def draft_position_ms(driver: Driver, batch: int, device: torch.device, args: argparse.Namespace
-                      ) -> tuple[float, float]:
-    """(serial, overlapped) ms of one draft position: steps that verify a draft and draft one, less steps of
-    the same verify window that draft none (a step that drafts pads its window to its chain)."""
-    ms = {}
-    for chain in (0, 1):
-        driver.prefill(batch, 1, args.context, args.prefill_tokens)
-        serial = common.median(common.time_ms(lambda: driver.verify_step(1, chain), device, args.warmup, args.iters))
-        ms[chain] = serial, driver.overlapped_ms(1, device, args.warmup, args.iters, chain)
-    return ms[1][0] - ms[0][0], ms[1][1] - ms[0][1]
 
 
 def lean_ms(model: LoadedModel, batch: int, context: int, window: int, draft: bool, device: torch.device,
@@ -328,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                         "over the window's rows + LM head + draft sampling; floor = module 0 + LM head + module 0's KV",
                         ["gemm", "batch", "draft ms", "lean draft ms", "draft/lean", "weights GB", "KV GB",
                          "floor ms", "draft/floor", "overlapped draft ms", "overlapped/floor"])
+    window_table = Table("verify window alone: step(window k + 1, chain 0), i.e. the target over the window's rows, "
+                         "LM head and verification without the MTP chain; floor = target weights + target KV",
+                         ["gemm", "batch", "window", "step ms", "weights GB", "KV GB", "floor ms", "step/floor",
+                          "overlapped ms", "overlapped/floor"])
     for batch in batches:
         lean_draft = lean_ms(model, batch, args.context, 1, True, device, args)
         lean_verify = {k: lean_ms(model, batch, args.context, k + 1, False, device, args) for k in ks}
@@ -348,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"{batch * (k + 1) / ms * 1e3:.0f}")
                 print(f"[{mode}] batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
                       f"floor {floor_ms:.2f} ms")
+            for k in (k for k in ks if k > 0 and len(model.mtp)):
+                ms, overlapped = verify_window_ms(driver, batch, k, device, args)
+                w, kv = window_floor_bytes(model, batch, k, args.context, dsize)
+                floor_ms = (w + kv) / bw * 1e3
+                window_table.add(mode, str(batch), str(k + 1), ms, gb(w), gb(kv), floor_ms, ms / floor_ms, overlapped,
+                                 overlapped / floor_ms)
             if len(model.mtp):
                 draft, overlapped = draft_position_ms(driver, batch, device, args)
                 w, kv = draft_floor_bytes(model, batch, args.context, dsize)
@@ -362,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"dispatch {key}: skinny {choice.skinny_us:.1f} us {choice.config}, cuBLAS {choice.cublas_us:.1f} us -> "
               f"{'skinny' if choice.skinny_wins else 'cuBLAS'}")
-    tables, profile_notes = [table, lean_table] + ([draft_table] if len(model.mtp) else []), []
+    tables, profile_notes = [table, lean_table] + ([window_table, draft_table] if len(model.mtp) else []), []
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
         for _ in range(args.warmup):

@@ -50,6 +50,33 @@ def test_every_batch_and_k_has_a_step_alone_and_overlapped(report: str) -> None:
             assert float(r[column]) > 0, (column, r)
 
 
+def test_a_verify_window_is_measured_without_its_chain(report: str) -> None:
+    """Issue 12's second target: the window of k + 1 tokens alone, alone and overlapped, against its own floor."""
+    rows = _rows(report, "verify window alone")
+    assert [(r["batch"], r["window"]) for r in rows] == [("1", "3"), ("3", "3")]
+    for r in rows:
+        for column in ("step ms", "overlapped ms", "step/floor", "overlapped/floor"):
+            assert float(r[column]) > 0, (column, r)
+
+
+def test_a_verify_windows_floor_is_the_targets_bytes_over_the_window() -> None:
+    """No module and no extra LM head read, unlike the whole k-draft step; the target's KV over context + k + 1."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import step_benchmark
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    args = step_benchmark.parse_args(["--tiny", "--device", "cpu"])
+    cfg = step_benchmark.ModelConfig.from_dict(step_benchmark.hf_config(args))
+    model = step_benchmark.build_model(cfg, torch.float32, torch.device("cpu"), 0)
+    plain_w, plain_kv = step_benchmark.floor_bytes(model, 3, 0, 100, 4)
+    whole_w, _ = step_benchmark.floor_bytes(model, 3, 2, 100, 4)
+    w, kv = step_benchmark.window_floor_bytes(model, 3, 2, 100, 4)
+    assert w == plain_w < whole_w
+    per_position = plain_kv // (3 * 101)
+    assert kv == 3 * 103 * per_position
+
+
 def test_the_draft_position_is_measured_both_ways(report: str) -> None:
     rows = _rows(report, "one draft position:")
     assert [r["batch"] for r in rows] == ["1", "3"]
