@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-import os
 import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import host  # noqa: E402
 import workloads  # noqa: E402
+from server_targets import grpc_target, http_target  # noqa: E402
 from common import Table, check, percentile  # noqa: E402
 
 import torch  # noqa: E402
@@ -91,6 +92,10 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     # pinned to the fastest core, so at 15 % nearly every round ran again, a matrix took up to four times as long
     # and was no steadier for it.
     p.add_argument("--steady-retries", type=int, default=0, help="... at most this many times a round (0: never)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds for the whole run: each concurrency gets an equal share of what is left when it "
+                        "starts, and runs its first round and every further one its last round says will fit (a run "
+                        "cut by an outer timeout writes no section)")
     p.add_argument("--prompt-lines", type=int, default=2)
     p.add_argument("--ks", default="0,1,2,3,4", help="draft counts, comma-separated; 'auto' adds the adaptive row")
     p.add_argument("--workload", choices=("text", "random"), default="text",
@@ -119,6 +124,7 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     device = common.pick_device(args.device, args.tiny)
     ks, concurrency = common.parse_ks(args.ks), common.parse_ints(args.concurrency)
     fixed = [k for k in ks if k != AUTO]
@@ -126,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     cells = {c: max(args.min_requests, args.requests_per_slot * c) for c in concurrency}
     with tempfile.TemporaryDirectory(prefix="mtpserve-spec-matrix-") as tmp:
         if args.grpc:
-            drive, name, close, vocab = _grpc_target(args, max_k)
+            drive, name, close, vocab = grpc_target(args, max_k)
         elif args.http:
-            drive, name, close, vocab = _http_target(args, max_k)
+            drive, name, close, vocab = http_target(args)
         else:
             drive, name, close, vocab = _engine_target(args, device, Path(tmp), max(concurrency), max_k)
         prompts = matrix_prompts(args, max(cells.values()), vocab)
@@ -148,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                       ["MTP", "conc", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "AL",
                        *[f"acc@{j + 1}" for j in range(max_k)], "speedup", "vs best"])
         summary, paired, noise = [], [], []
-        for c in concurrency:
-            runs, notes_of_c = measure_rounds(drive, jobs, ks, c, cells[c], args, device)
+        for i, c in enumerate(concurrency):
+            now = time.monotonic()
+            share = None if deadline is None else now + (deadline - now) / (len(concurrency) - i)
+            runs, notes_of_c = measure_rounds(drive, jobs, ks, c, cells[c], args, device, share)
             round_notes += notes_of_c
             rows = {k: _cell(_median_run(runs[k]), k, c, args.max_tokens) for k in ks}
             base = rows[0][0].tokens_per_s if 0 in rows else None
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if AUTO in rows and best:
                 summary.append(f"c={c}: {rows[AUTO][0].tokens_per_s / best:.3f}")
                 paired.append(f"c={c}: {_paired_ratios(runs, fixed)}")
-                if args.repeats > 2:
+                if min(len(r) for r in runs.values()) > 2:
                     spread, excess = _noise([[run.tokens_per_s for run in runs[k]] for k in fixed])
                     noise.append(f"c={c}: runs {spread:.1%}, best-of-{len(fixed)} excess {excess:.1%}")
         close()
@@ -182,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    if server else "step() returns the tokens")
              + "; percentiles interpolated over requests"]
     if args.repeats > 1:
-        notes.append(f"each cell: the run of median tok/s of {args.repeats}, the k's in a balanced order (a Williams "
-                     "design: over as many rounds as k's, each k once in every position and, for an even count "
-                     "of k's, once right after every other k)")
+        up_to = "up to " if args.budget_s is not None else ""
+        notes.append(f"each cell: the run of median tok/s of {up_to}{args.repeats}, the k's in a balanced order "
+                     "(a Williams design: over as many rounds as k's, each k once in every position and, for an "
+                     "even count of k's, once right after every other k)")
     notes += round_notes
     if summary:
         notes.append("auto / best fixed k: " + ", ".join(summary))
@@ -206,7 +215,7 @@ Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model na
 
 
 def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[workloads.Job]], ks: list[int | str],
-                   c: int, n: int, args: argparse.Namespace, device: torch.device
+                   c: int, n: int, args: argparse.Namespace, device: torch.device, deadline: float | None = None
                    ) -> tuple[dict[int | str, list[workloads.Run]], list[str]]:
     """--repeats rounds of every k's cell of n requests at concurrency c, the k's in a balanced order (no k always runs
     first, nor always after the same k) -> (runs per k, a note per round, with its order and each cell's tok/s).
@@ -214,11 +223,16 @@ def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[w
     (benchmarks/host.py) before every cell and after the last; a round whose probes spread by more than
     --steady-host runs again, up to --steady-retries times, so that the cells compared round by round ran at one
     host speed (the H100 machine's cores change speed within a round, session U). The rounds are judged by the
-    probe alone, never by their tok/s."""
+    probe alone, never by their tok/s. Past the first, a round starts only where the last one's time still fits
+    before `deadline` (time.monotonic; None: every round runs)."""
     runs: dict[int | str, list[workloads.Run]] = {k: [] for k in ks}
-    notes = []
+    notes, last = [], 0.0
     for r in range(args.repeats):
-        order = common.balanced_order(ks, r)
+        if r and deadline is not None and time.monotonic() + last > deadline:
+            notes.append(f"c={c}: {r} of {args.repeats} rounds, the next would not fit --budget-s")
+            print(notes[-1], flush=True)
+            break
+        began, order = time.monotonic(), common.balanced_order(ks, r)
         for attempt in range(args.steady_retries + 1):
             pin, probing = pin_driver(args, device), pinnable(args, device) and args.pin_cpu != "none"
             got, probes = {}, []
@@ -235,6 +249,7 @@ def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[w
         print(notes[-1], flush=True)  # as it ends: a run cut short (a timeout) still shows the rounds it made
         for k, run in got.items():
             runs[k].append(run)
+        last = time.monotonic() - began
     return runs, notes
 
 
@@ -380,28 +395,6 @@ def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, ma
         return run
 
     return drive, engine.resolved.model_path.name, engine.shutdown, engine.model_config.vocab_size
-
-
-def _grpc_target(args: argparse.Namespace, max_k: int) -> Target:
-    from mtpserve.cluster.client import Client
-
-    token = args.token or os.environ.get("MTPSERVE_AUTH_TOKEN")
-    with Client(args.grpc, token=token, timeout=30) as client:
-        info = client.model_info()
-    check(info.has_tokenizer, f"the server's model {info.name} has no tokenizer: text prompts cannot be sent")
-    check(info.num_mtp_modules > 0 or max_k == 0, f"the server's model {info.name} has no MTP modules")
-    check(max_k <= info.max_num_speculative_tokens, f"the server allows at most {info.max_num_speculative_tokens} drafts")
-    return ((lambda jobs, c, _prefix: workloads.drive_grpc(args.grpc, jobs, c, token)), info.name, lambda: None,
-            info.vocab_size)
-
-
-def _http_target(args: argparse.Namespace, _max_k: int) -> Target:
-    import openai
-
-    token = args.token or os.environ.get("MTPSERVE_AUTH_TOKEN")
-    with openai.OpenAI(base_url=f"http://{args.http}/v1", api_key=token or "none", max_retries=0, timeout=30) as c:
-        name = c.models.list().data[0].id
-    return (lambda jobs, c, _prefix: workloads.drive_http(args.http, name, jobs, c, token)), name, lambda: None, None
 
 
 if __name__ == "__main__":

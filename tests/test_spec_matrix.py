@@ -104,3 +104,21 @@ def test_each_round_notes_its_cells_in_order_with_their_rates(capsys: pytest.Cap
     assert notes[0].endswith("in order, tok/s: 0 1000, auto 2000")
     assert notes[1].endswith("in order, tok/s: auto 2000, 0 1000")
     assert capsys.readouterr().out.splitlines() == notes
+
+
+def test_a_round_starts_only_where_the_last_ones_time_fits_the_budget() -> None:
+    """Each cell takes a second of a fake clock: two rounds of two cells fit a deadline 5 s away, a third would not."""
+    clock = [0.0]
+
+    def drive(jobs: list, c: int, prefix: str) -> SimpleNamespace:
+        clock[0] += 1.0
+        return SimpleNamespace(tokens_per_s=1000.0)
+
+    args = argparse.Namespace(repeats=4, steady_retries=0, steady_host=0.15, max_tokens=4, pin_cpu="none",
+                              grpc=None, http=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_matrix.time, "monotonic", lambda: clock[0])
+        runs, notes = spec_matrix.measure_rounds(drive, lambda k, n, t: [], [0, "auto"], 8, 16, args,
+                                                 torch.device("cpu"), deadline=5.0)
+    assert [len(r) for r in runs.values()] == [2, 2] and clock[0] == 4.0
+    assert notes[-1] == "c=8: 2 of 4 rounds, the next would not fit --budget-s"
