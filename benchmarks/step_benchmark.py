@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{batch * (k + 1) / ms * 1e3:.0f}")
                 print(f"[{mode}] batch {batch:3d} k {k}: step {ms:8.2f} ms (min {min(times):.2f}), lean {lean:.2f} ms, "
                       f"floor {floor_ms:.2f} ms")
-            for k in (k for k in ks if k > 0 and len(model.mtp)):
+            for k in [k for k in ks if k > 0] if len(model.mtp) else []:
                 ms, overlapped = verify_window_ms(driver, batch, k, device, args)
                 w, kv = window_floor_bytes(model, batch, k, args.context, dsize)
                 floor_ms = (w + kv) / bw * 1e3
