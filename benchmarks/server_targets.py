@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import workloads
 from common import check
 
-Target = tuple[Callable[..., Any], str, Callable[[], None], "int | None"]
+Driver = Callable[[list[workloads.Job], int, str], workloads.Run]  # (jobs, concurrency, cell name) -> the run
+Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
 
 
 def grpc_target(args: argparse.Namespace, max_k: int) -> Target:

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import host  # noqa: E402
 import workloads  # noqa: E402
-from server_targets import grpc_target, http_target  # noqa: E402
+from server_targets import Driver, Target, grpc_target, http_target  # noqa: E402
 from common import Table, check, percentile  # noqa: E402
 
 import torch  # noqa: E402
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-Driver = Callable[[list[workloads.Job], int, str], workloads.Run]
 AUTO = "auto"
-Target = tuple[Driver, str, Callable[[], None], "int | None"]  # drive, model name, close, vocabulary size
 
 
 def measure_rounds(drive: "Driver", jobs: Callable[[int | str, int, int], list[workloads.Job]], ks: list[int | str],
