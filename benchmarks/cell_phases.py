@@ -48,6 +48,7 @@ from mtpserve.cluster import spec_chooser  # noqa: E402
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 
 PHASES = ("full", "partial", "prompt", "catch-up", "drain")
+LONG_SCHEDULE = 3.0  # a full step whose schedule took over this x the median is counted apart (excess_cell)
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ def phase_of(records: list[StepRecord], concurrency: int) -> list[str]:
 
 
 def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
-    """Per phase 'steps / ms / tok/ms', the full steps' medians 'lap ms / schedule us / page faults', then the
-    requests caught up and the steps per k."""
+    """Per phase 'steps / ms / tok/ms', the full steps' medians 'lap ms / schedule us / page faults' and their excess
+    (excess_cell), then the requests caught up and the steps per k."""
     phases = phase_of(records, concurrency)
     cells = []
     for phase in PHASES:
@@ -117,10 +118,21 @@ def phase_cells(records: list[StepRecord], concurrency: int) -> list[str]:
         cells.append(f"{statistics.median(r.seconds for r in full) * 1e3:.3f} / "
                      f"{statistics.median(r.schedule for r in full) * 1e6:.0f} / "
                      f"{statistics.median(r.faults for r in full):.0f}")
+        cells.append(excess_cell(full))
     else:
-        cells.append("-")
+        cells += ["-", "-"]
     per_k = Counter(r.k for r in records if r.batch)
     return cells + [str(sum(r.catch_ups for r in records)), " ".join(f"{k}:{n}" for k, n in sorted(per_k.items()))]
+
+
+def excess_cell(full: list[StepRecord]) -> str:
+    """'ms / ms in n' of the full steps: their time beyond the median lap, and the part of it in the n steps whose
+    schedule took over LONG_SCHEDULE x its median (with adaptive speculation, its full choices: a median lap that
+    matches fixed k's while the cell runs slower is time lost in such outliers)."""
+    lap, schedule = statistics.median(r.seconds for r in full), statistics.median(r.schedule for r in full)
+    long = [r for r in full if r.schedule > LONG_SCHEDULE * schedule]
+    excess = sum(max(r.seconds - lap, 0.0) for r in full) * 1e3
+    return f"{excess:.1f} / {sum(max(r.seconds - lap, 0.0) for r in long) * 1e3:.1f} in {len(long)}"
 
 
 class CostTracer:
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(f"cell phases: {'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, "
                   f"{args.workload} prompts, {args.max_tokens} tokens per request; phase: steps / ms / tok/ms",
                   ["MTP", "conc", "round", "probe ms", "out tok/s", "AL", *PHASES, "full lap ms / sched us / faults",
-                   "caught up", "steps per k"])
+                   "full excess ms / of it in long scheds", "caught up", "steps per k"])
     with tempfile.TemporaryDirectory(prefix="mtpserve-cell-phases-") as tmp:
         engine = spec_matrix.build_engine(args, device, Path(tmp), max(concurrency), max_k)
         prompts = spec_matrix.matrix_prompts(args, max(cells.values()), engine.model_config.vocab_size)

@@ -58,3 +58,13 @@ def test_the_cost_tracer_reports_what_the_step_costs_were_fed_per_k(trained_ckpt
     line = costs.take(2)
     assert line.startswith(f"k=2: {len(full)} laps, ") and costs.samples == []
     assert costs.take(2) == ""
+
+
+def test_the_excess_of_full_steps_is_split_out_where_their_schedule_ran_long() -> None:
+    def step(seconds: float, schedule: float) -> cell_phases.StepRecord:
+        return cell_phases.StepRecord(seconds, 2, 0, 2, 2, 0, schedule, 0)
+
+    # Median lap 1 ms, median schedule 10 us: the two slow steps exceed it by 0.5 and 2 ms, the second in a
+    # schedule of 100 us (a full choice), the first not.
+    full = [step(0.001, 1e-5)] * 5 + [step(0.0015, 1e-5), step(0.003, 1e-4)]
+    assert cell_phases.excess_cell(full) == "2.5 / 2.0 in 1"
