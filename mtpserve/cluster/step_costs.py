@@ -50,6 +50,14 @@ class StepCosts:
     device-bound laps, priced host-bound k = 2 steps at 0.65 ms where they took 0.59, k = 3 looked as good,
     and auto ran it for half its steps at 0.88 of fixed k = 2 (run 178). Such a k is priced at
     max(host, device); a k with no recent lap of its own takes the bucket's gap.
+
+    The device's share is learned only from laps the device ran through: the host waited for it, or the lap
+    outlasted the device's share by at most DEVICE_BOUND of itself (and from serial steps). Where the host is the
+    slower, the device idles for each launch and its timed share also holds the graph's start after that:
+    at T = 1, c = 1 on the H200, k = 1 read 0.314-0.336 ms in host-bound laps against 0.294-0.296 in
+    device-bound ones, k = 2 0.384-0.412 against 0.372 (runs 255 and 263). Such a cell then kept the high
+    reading while auto ran another k, and priced k = 2 at 0.44 ms where its steps took 0.38: auto ran k = 3
+    for 776 of 1032 steps at 0.83 of fixed k = 2 (run 263). A host-bound step is priced at the host's share.
     """
 
     HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
@@ -113,17 +121,20 @@ class StepCosts:
         `overlapped`: the two ran side by side; `greedy`: every request of the batch was greedy. Plain Python:
         the engine pays it every step."""
         b, per = self.bucket(batch), max(batch, 1)
-        self.modes[greedy].observe(b, k, device)
         self.host_recent[b].append((host / per, tokens / per, k))
         self.host_samples[b] += 1
         self.k_seen[b][k] = self.host_samples[b]
         self.overlapped = overlapped
+        busy = True  # whether the device ran the lap through (a serial step's device share is its own)
         if overlapped and lap > 0:
             bound = lap - host > self.DEVICE_BOUND * lap
             self.k_laps[b][k].append(bound)
             if bound:
                 self.gap_recent[b].append(max(lap - device, 0.0))
                 self.gap_samples[b] += 1
+            busy = bound or lap - device <= self.DEVICE_BOUND * lap
+        if busy:  # see the class: where the device idled for the host, its share reads high
+            self.modes[greedy].observe(b, k, device)
 
     def gap(self, batch: int) -> float:
         """Seconds a device-bound overlapped step of this batch's bucket lasts beyond its device share: the

@@ -84,6 +84,21 @@ def test_a_k_whose_laps_are_host_bound_is_not_priced_with_the_device_bound_gap()
     assert costs.gaps(8)[1] == costs.gap(8)  # a k without laps of its own takes the bucket's gap
 
 
+def test_the_device_share_is_learned_from_laps_the_device_ran_through() -> None:
+    """T = 1, c = 1 on the H200 (runs 255 and 263): k = 2's device share read 0.372 ms in device-bound laps and up to
+    0.412 in laps where the host was the slower and the device idled for each launch. Kept from those, the cell
+    priced k = 2 above what its steps took once the host was fast again, and auto ran k = 3 instead."""
+    costs = StepCosts(K, 8)
+    for _ in range(16):  # a fast host: the device is the slower
+        costs.observe(1, 2, 0.372e-3, host=0.24e-3, overlapped=True, tokens=2.1, lap=0.381e-3)
+    for _ in range(16):  # a slow host: the device idles between steps and its share reads high
+        costs.observe(1, 2, 0.412e-3, host=0.50e-3, overlapped=True, tokens=2.1, lap=0.51e-3)
+    assert costs.device(1)[2] == pytest.approx(0.372e-3)
+    for _ in range(16):  # close to each other, the device ran the lap through: its share counts
+        costs.observe(1, 1, 0.300e-3, host=0.30e-3, overlapped=True, tokens=1.6, lap=0.31e-3)
+    assert costs.device(1)[1] == pytest.approx(0.300e-3)
+
+
 def test_the_gap_is_kept_per_batch_bucket() -> None:
     """A drained closed loop's small batches wait on the device by milliseconds that a full batch's laps do
     not (one median for every bucket read 3.7 ms at c = 8 on the H100 and priced every k there at 4 ms):
