@@ -55,9 +55,9 @@ class StepCosts:
     outlasted the device's share by at most DEVICE_BOUND of itself (and from serial steps). Where the host is the
     slower, the device idles for each launch and its timed share also holds the graph's start after that:
     at T = 1, c = 1 on the H200, k = 1 read 0.314-0.336 ms in host-bound laps against 0.294-0.296 in
-    device-bound ones, k = 2 0.384-0.412 against 0.372 (runs 255 and 263). Such a cell then kept the high
+    device-bound ones, k = 2 0.384-0.412 against 0.372 (runs 255 and 264). Such a cell then kept the high
     reading while auto ran another k, and priced k = 2 at 0.44 ms where its steps took 0.38: auto ran k = 3
-    for 776 of 1032 steps at 0.83 of fixed k = 2 (run 263). A host-bound step is priced at the host's share.
+    for 776 of 1032 steps at 0.83 of fixed k = 2 (run 264). A host-bound step is priced at the host's share.
     """
 
     HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)

@@ -85,7 +85,7 @@ def test_a_k_whose_laps_are_host_bound_is_not_priced_with_the_device_bound_gap()
 
 
 def test_the_device_share_is_learned_from_laps_the_device_ran_through() -> None:
-    """T = 1, c = 1 on the H200 (runs 255 and 263): k = 2's device share read 0.372 ms in device-bound laps and up to
+    """T = 1, c = 1 on the H200 (runs 255 and 264): k = 2's device share read 0.372 ms in device-bound laps and up to
     0.412 in laps where the host was the slower and the device idled for each launch. Kept from those, the cell
     priced k = 2 above what its steps took once the host was fast again, and auto ran k = 3 instead."""
     costs = StepCosts(K, 8)
