@@ -56,7 +56,7 @@ TILES = ((64, 128, 4, 4), (64, 128, 4, 5), (128, 128, 4, 3), (32, 256, 4, 4), (6
 def block_m(m: int) -> int:
     """Rows per tile: M padded to 16 / 32 / 64 (tl.dot's minimum is 16); more rows take more tiles. One 128-row
     tile (each weight strip read once) made gate/up at 128 rows 72 us against 97 for two 64-row tiles, but no
-    shape beat cuBLAS (H200, run 259: gate/up 71, q/k/v 19 against 24, o and down 0.8 and 1.2 us ahead of it)."""
+    shape beat cuBLAS (H200, run 259: gate/up 71, q/k/v 19 against 24, o and down 0.8 and 1.2 us slower than cuBLAS)."""
     return min(64, max(16, triton.next_power_of_2(m)))
 
 
