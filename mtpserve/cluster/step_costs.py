@@ -110,6 +110,8 @@ class StepCosts:
         self._bases = [0.0] * nb  # per bucket, the level a of its last fit (per request, at the window's speed)
         self._fitted_at = [0] * nb  # host_samples at that fit
         self.k_seen = [[0] * (max_k + 1) for _ in range(nb)]  # per (bucket, k): host_samples at its last sample
+        # (greedy, bucket, k) that ran only laps where the device idled: timed, though the device's cell has no sample
+        self._idle_timed: set[tuple[bool, int, int]] = set()
 
     def bucket(self, batch: int) -> int:
         return self._bucket_of[min(batch, len(self._bucket_of) - 1)]
@@ -135,6 +137,8 @@ class StepCosts:
             busy = bound or lap - device <= self.DEVICE_BOUND * lap
         if busy:  # see the class: where the device idled for the host, its share reads high
             self.modes[greedy].observe(b, k, device)
+        else:
+            self._idle_timed.add((greedy, b, k))
 
     def gap(self, batch: int) -> float:
         """Seconds a device-bound overlapped step of this batch's bucket lasts beyond its device share: the
@@ -156,8 +160,10 @@ class StepCosts:
         self.modes[greedy].seed(self.bucket(batch), k, seconds)
 
     def timed(self, batch: int, k: int, greedy: bool = True) -> bool:
-        """Whether k has been measured or seeded in this batch's bucket (and sampling mode)."""
-        return self.modes[greedy].timed(self.bucket(batch), k)
+        """Whether k has been measured or seeded in this batch's bucket (and sampling mode). A k whose laps were all
+        host-bound was measured too: the chooser need not time it again (AdaptiveSpec._explore)."""
+        b = self.bucket(batch)
+        return self.modes[greedy].timed(b, k) or (greedy, b, k) in self._idle_timed
 
     def costs(self, batch: int, tokens: np.ndarray | None = None, greedy: bool = True) -> np.ndarray:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens

@@ -97,6 +97,9 @@ def test_the_device_share_is_learned_from_laps_the_device_ran_through() -> None:
     for _ in range(16):  # close to each other, the device ran the lap through: its share counts
         costs.observe(1, 1, 0.300e-3, host=0.30e-3, overlapped=True, tokens=1.6, lap=0.31e-3)
     assert costs.device(1)[1] == pytest.approx(0.300e-3)
+    assert not costs.timed(1, 3)
+    costs.observe(1, 3, 0.46e-3, host=0.60e-3, overlapped=True, tokens=2.3, lap=0.61e-3)  # host-bound only
+    assert costs.timed(1, 3) and not costs.timed(1, 3, greedy=False)  # measured: _explore need not time it again
 
 
 def test_the_gap_is_kept_per_batch_bucket() -> None:
