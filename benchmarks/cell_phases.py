@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import host  # noqa: E402
 import spec_matrix  # noqa: E402
+import token_counts  # noqa: E402
 import workloads  # noqa: E402
 from common import Table  # noqa: E402
 
@@ -164,6 +165,29 @@ class CostTracer:
                          for k, v in sorted(per_k.items()))
 
 
+class OutcomeTracer:
+    """Every request step's (drafts, accepted), as the scheduler hands them to adaptive speculation's acceptance
+    table (wrapped in place): each k's tokens a step, by the product of per-position rates and by counting
+    (token_counts.py), to set beside the fixed-k cells' acceptance length."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.outcomes: list[tuple[int, int]] = []
+        table = engine.adaptive.acceptance
+        observe_step = table.observe_step
+
+        def traced(seen: list[tuple[int, int, int]]) -> None:
+            self.outcomes += [(drafts, accepted) for _, drafts, accepted in seen]
+            observe_step(seen)
+
+        table.observe_step = traced
+
+    def take(self, max_k: int) -> str:
+        outcomes, self.outcomes = self.outcomes, []
+        ks = range(1, max_k + 1)
+        return (f"k = 1..{max_k}: product " + " ".join(f"{token_counts.product_tokens(outcomes, k):.2f}" for k in ks)
+                + ", counted " + " ".join(f"{token_counts.counted_tokens(outcomes, k):.2f}" for k in ks))
+
+
 class ChoiceTracer:
     """Every k adaptive speculation chooses (spec_chooser.choose_k, wrapped in place): the step, what it priced
     each k at and the tokens it expected, and the k it kept or took (before AdaptiveSpec explores k - 1 or
@@ -192,20 +216,24 @@ class ChoiceTracer:
 
 
 def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, costs: CostTracer | None,
-          jobs: list[workloads.Job], c: int, name: str, greedy: bool) -> list:
-    """Run one cell of c in flight, traced -> its row from `probe ms` on (printing its choices and auto's prices
-    when asked)."""
+          outcomes: OutcomeTracer | None, jobs: list[workloads.Job], c: int, name: str, greedy: bool) -> list:
+    """Run one cell of c in flight, traced -> its row from `probe ms` on (printing its choices, auto's prices and
+    the tokens its steps say each k makes, when asked)."""
     probe = host.host_probe()
     if choices is not None:
         choices.take()  # the warm-up's and the last cell's
     if costs is not None:
         costs.take(c)
+    if outcomes is not None:
+        outcomes.take(0)
     tracer.start()
     run = workloads.drive(engine, jobs, c, name.replace(" ", "-"))
     if choices is not None:
         print(f"choices of {name}:", *choices.take(), sep="\n  ")
     if costs is not None:
         print(f"fed to the step costs, {name}, full batches, mean lap / lap / host / device ms: {costs.take(c)}")
+    if outcomes is not None:
+        print(f"tokens a step from the steps of {name}, {outcomes.take(engine.adaptive.config.max_k)}")
     if jobs[0].params.num_speculative_tokens == spec_matrix.AUTO and engine.adaptive is not None:
         print(f"auto {name}: {spec_matrix.describe_auto(engine, c, greedy)}")
     return [f"{probe:.2f} / {host.host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
@@ -219,6 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "tokens the chooser saw per k")
     p.add_argument("--trace-costs", action="store_true", help="print per cell and k the medians of the laps, host and "
                    "device shares the step-cost model was fed in full-batch steps (and the laps' mean)")
+    p.add_argument("--trace-tokens", action="store_true", help="print per cell each k's tokens a step drawn from its "
+                   "steps, as the product of per-position rates and by counting (token_counts.py)")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency="4", max_tokens=16, min_requests=4)
     return args
@@ -246,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         tracer, pinned = StepTracer(engine), []
         choices = ChoiceTracer(engine) if args.trace_choices else None
         costs = CostTracer(engine) if args.trace_costs and engine.adaptive is not None else None
+        outcomes = OutcomeTracer(engine) if args.trace_tokens and engine.adaptive is not None else None
         for c in concurrency:
             for r in range(args.repeats):  # the k's in spec_matrix.py's balanced order
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in common.balanced_order(ks, r):
-                    row = _cell(engine, tracer, choices, costs, jobs(k, cells[c], args.max_tokens), c,
+                    row = _cell(engine, tracer, choices, costs, outcomes, jobs(k, cells[c], args.max_tokens), c,
                                 f"k={k} c={c} round {r}", args.temperature == 0)
                     table.add(f"MTP{k}", str(c), str(r), *row)
         engine.shutdown()

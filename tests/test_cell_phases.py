@@ -13,6 +13,7 @@ from tests.conftest import prompts_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cell_phases  # noqa: E402
+import token_counts  # noqa: E402
 import workloads  # noqa: E402
 
 
@@ -68,3 +69,18 @@ def test_the_excess_of_full_steps_is_split_out_where_their_schedule_ran_long() -
     # schedule of 100 us (a full choice), the first not.
     full = [step(0.001, 1e-5)] * 5 + [step(0.0015, 1e-5), step(0.003, 1e-4)]
     assert cell_phases.excess_cell(full) == "2.5 / 2.0 in 1"
+
+
+def test_the_outcome_tracer_draws_each_ks_tokens_from_the_cells_steps(trained_ckpt: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(trained_ckpt), device="cpu", dtype="float32", max_num_seqs=2))
+    outcomes = cell_phases.OutcomeTracer(engine)
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, num_speculative_tokens=2))
+            for p in prompts_of(64, [6, 7, 8, 9], seed=3)]
+    run = workloads.drive(engine, jobs, 2, "cell")
+    steps = list(outcomes.outcomes)
+    assert steps and {d for d, _ in steps} == {2} and all(0 <= a <= 2 for _, a in steps)
+    assert sum(a for _, a in steps) == run.spec.num_accepted_tokens  # every verified step, as the engine counted
+    own = sum(a + 1 for _, a in steps) / len(steps)  # at the cell's own k both give its acceptance length
+    line = outcomes.take(3)
+    assert line.startswith(f"k = 1..3: product {token_counts.product_tokens(steps, 1):.2f} {own:.2f} nan, counted ")
+    assert line.endswith(f" {own:.2f} nan") and outcomes.outcomes == []
