@@ -181,6 +181,9 @@ class OutcomeTracer:
 
         table.observe_step = traced
 
+    def start(self) -> None:
+        self.outcomes = []
+
     def take(self, max_k: int) -> str:
         outcomes, self.outcomes = self.outcomes, []
         ks = range(1, max_k + 1)
@@ -225,7 +228,7 @@ def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, c
     if costs is not None:
         costs.take(c)
     if outcomes is not None:
-        outcomes.take(0)
+        outcomes.start()  # the warm-up's and the last cell's
     tracer.start()
     run = workloads.drive(engine, jobs, c, name.replace(" ", "-"))
     if choices is not None:
