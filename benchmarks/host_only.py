@@ -84,7 +84,7 @@ def count_choices(pin: int | None) -> None:
 
     def counted(self: AdaptiveSpec, *args: Any, **kwargs: Any) -> int:
         k = choose(self, *args, **kwargs)
-        FULL_CHOICES[0] += self._held == 0
+        FULL_CHOICES[0] += self.choosing
         if pin is not None:
             self.k = k = pin
         return k

@@ -61,14 +61,26 @@ def test_the_cost_tracer_reports_what_the_step_costs_were_fed_per_k(trained_ckpt
     assert costs.take(2) == ""
 
 
-def test_the_excess_of_full_steps_is_split_out_where_their_schedule_ran_long() -> None:
-    def step(seconds: float, schedule: float) -> cell_phases.StepRecord:
-        return cell_phases.StepRecord(seconds, 2, 0, 2, 2, 0, schedule, 0)
+def test_the_excess_of_full_steps_is_split_out_where_a_choice_was_made() -> None:
+    def step(seconds: float, chose: bool = False) -> cell_phases.StepRecord:
+        return cell_phases.StepRecord(seconds, 2, 0, 2, 2, 0, 1e-5, 0, chose)
 
-    # Median lap 1 ms, median schedule 10 us: the two slow steps exceed it by 0.5 and 2 ms, the second in a
-    # schedule of 100 us (a full choice), the first not.
-    full = [step(0.001, 1e-5)] * 5 + [step(0.0015, 1e-5), step(0.003, 1e-4)]
-    assert cell_phases.excess_cell(full) == "2.5 / 2.0 in 1"
+    # Median lap 1 ms: the two slow steps exceed it by 0.5 and 2 ms, the second with a choice, the first not;
+    # a step that chose within the median lap adds nothing.
+    full = [step(0.001)] * 4 + [step(0.001, True), step(0.0015), step(0.003, True)]
+    assert cell_phases.excess_cell(full) == "2.5 / 2.0 in 2"
+
+
+def test_a_traced_auto_cell_marks_the_steps_where_a_choice_was_made(trained_ckpt: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(trained_ckpt), device="cpu", dtype="float32", max_num_seqs=2))
+    tracer = cell_phases.StepTracer(engine)
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                            num_speculative_tokens="auto"))
+            for p in prompts_of(64, [6, 7, 8, 9], seed=4)]
+    tracer.start()
+    workloads.drive(engine, jobs, 2, "cell")
+    chose = [r.chose for r in tracer.records]
+    assert chose[0] and 0 < sum(chose) < len(chose)  # the first step chooses, later ones hold a dwell
 
 
 def test_the_outcome_tracer_draws_each_ks_tokens_from_the_cells_steps(trained_ckpt: Path) -> None:

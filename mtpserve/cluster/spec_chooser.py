@@ -133,6 +133,11 @@ class AdaptiveSpec:
         self._newcomers_of: dict[int, tuple[int, int]] = {}  # per bucket, the last newcomers' choice: (k, step)
 
     @property
+    def choosing(self) -> bool:
+        """Whether the last call made a choice (a full one, or the newcomers'), rather than keep its dwell's k."""
+        return self._held == 0
+
+    @property
     def chosen(self) -> np.ndarray:
         """[K + 1] steps planned at each k (for reports)."""
         return np.array(self._chosen)
