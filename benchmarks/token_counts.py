@@ -29,7 +29,7 @@ def product_tokens(outcomes: Sequence[Outcome], k: int) -> float:
         return math.nan
     tokens, reach = 1.0, 1.0
     for i in range(k):
-        seen = sum(1 for d, a in usable if a >= i)  # position i was verified: every draft before it accepted
+        seen = sum(1 for _, a in usable if a >= i)  # position i was verified: every draft before it accepted
         hits = sum(1 for _, a in usable if a > i)
         reach *= hits / seen if seen else 0.0
         tokens += reach
