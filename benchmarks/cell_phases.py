@@ -25,6 +25,7 @@ the next, every host phase alike; design §9).
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
 import statistics
 import sys
@@ -62,6 +63,21 @@ class StepRecord:
     schedule: float  # seconds the scheduler took to plan it (plain Python: it moves with the host's speed)
     faults: int  # minor page faults of the process during this step() call (memory the allocator mapped anew)
     chose: bool = False  # adaptive speculation made a choice in this step() call (AdaptiveSpec.choosing)
+    gc_seconds: float = 0.0  # garbage collection inside this step() call
+
+
+class GcClock:
+    """Seconds the interpreter's garbage collector has run since this was made (through gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._began = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
 
 
 class StepTracer:
@@ -69,7 +85,7 @@ class StepTracer:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.records: list[StepRecord] = []
-        self._last_k, self._t = 0, 0.0
+        self._last_k, self._t, self._gc = 0, 0.0, GcClock()
         runner = getattr(engine.executor, "runner", None)
         self._catch_ups = lambda: getattr(runner, "num_catch_ups", 0)
         chose = (lambda: engine.adaptive.choosing) if engine.adaptive is not None else (lambda: False)
@@ -80,12 +96,13 @@ class StepTracer:
             return postprocess(plan, *a)
 
         def traced_step() -> Any:
-            caught, faults = self._catch_ups(), minor_faults()
+            caught, faults, collected = self._catch_ups(), minor_faults(), self._gc.seconds
             out = step()
             now, stats = time.perf_counter(), engine.last_stats
             self.records.append(StepRecord(now - self._t, stats.batch_size, stats.num_prompt_tokens,
                                            stats.num_generation_tokens, self._last_k, self._catch_ups() - caught,
-                                           stats.schedule_seconds, minor_faults() - faults, chose()))
+                                           stats.schedule_seconds, minor_faults() - faults, chose(),
+                                           self._gc.seconds - collected))
             self._t = now
             return out
 
@@ -135,6 +152,22 @@ def excess_cell(full: list[StepRecord]) -> str:
     chose = [r for r in full if r.chose]
     excess = sum(max(r.seconds - lap, 0.0) for r in full) * 1e3
     return f"{excess:.1f} / {sum(max(r.seconds - lap, 0.0) for r in chose) * 1e3:.1f} in {len(chose)}"
+
+
+def outlier_lines(records: list[StepRecord], concurrency: int, count: int) -> list[str]:
+    """The `count` full steps furthest above the full steps' median lap, in step order, each with what ran in it:
+    its k and the step before's, a choice, the schedule, page faults, garbage collection and catch-ups (what an
+    excess that the choices do not hold is made of, at c = 128 on the H200, run 262)."""
+    phases = phase_of(records, concurrency)
+    full = [i for i, p in enumerate(phases) if p == "full"]
+    if not full:
+        return []
+    lap = statistics.median(records[i].seconds for i in full)
+    worst = sorted(sorted(full, key=lambda i: records[i].seconds, reverse=True)[:count])
+    return [f"step {i}: lap {r.seconds * 1e3:.3f} ms (+{(r.seconds - lap) * 1e3:.3f}), k {records[i - 1].k if i else '-'}"
+            f" -> {r.k}{', chose' if r.chose else ''}, sched {r.schedule * 1e6:.0f} us, {r.faults} faults, gc "
+            f"{r.gc_seconds * 1e3:.2f} ms, after a {phases[i - 1] if i else '-'} step"
+            for i, r in ((i, records[i]) for i in worst)]
 
 
 class CostTracer:
@@ -220,9 +253,10 @@ class ChoiceTracer:
 
 
 def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, costs: CostTracer | None,
-          outcomes: OutcomeTracer | None, jobs: list[workloads.Job], c: int, name: str, greedy: bool) -> list:
+          outcomes: OutcomeTracer | None, outliers: int, jobs: list[workloads.Job], c: int, name: str,
+          greedy: bool) -> list:
     """Run one cell of c in flight, traced -> its row from `probe ms` on (printing its choices, auto's prices and
-    the tokens its steps say each k makes, when asked)."""
+    the tokens its steps say each k makes and its slowest full steps, when asked)."""
     probe = host.host_probe()
     if choices is not None:
         choices.take()  # the warm-up's and the last cell's
@@ -238,6 +272,8 @@ def _cell(engine: LLMEngine, tracer: StepTracer, choices: ChoiceTracer | None, c
         print(f"fed to the step costs, {name}, full batches, mean lap / lap / host / device ms: {costs.take(c)}")
     if outcomes is not None:
         print(f"tokens a step from the steps of {name}, {outcomes.take(engine.adaptive.config.max_k)}")
+    if outliers:
+        print(f"the {outliers} slowest full steps of {name}:", *outlier_lines(tracer.records, c, outliers), sep="\n  ")
     if jobs[0].params.num_speculative_tokens == spec_matrix.AUTO and engine.adaptive is not None:
         print(f"auto {name}: {spec_matrix.describe_auto(engine, c, greedy)}")
     return [f"{probe:.2f} / {host.host_probe():.2f}", run.tokens_per_s, run.spec.acceptance_length,
@@ -251,6 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "tokens the chooser saw per k")
     p.add_argument("--trace-costs", action="store_true", help="print per cell and k the medians of the laps, host and "
                    "device shares the step-cost model was fed in full-batch steps (and the laps' mean)")
+    p.add_argument("--trace-outliers", type=int, default=0, metavar="N", help="print per cell its N slowest full "
+                   "steps and what ran in each")
     p.add_argument("--trace-tokens", action="store_true", help="print per cell each k's tokens a step drawn from its "
                    "steps, as the product of per-position rates and by counting (token_counts.py)")
     args = p.parse_args(argv)
@@ -285,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.repeats):  # the k's in spec_matrix.py's balanced order
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in common.balanced_order(ks, r):
-                    row = _cell(engine, tracer, choices, costs, outcomes, jobs(k, cells[c], args.max_tokens), c,
+                    row = _cell(engine, tracer, choices, costs, outcomes, args.trace_outliers,
+                                jobs(k, cells[c], args.max_tokens), c,
                                 f"k={k} c={c} round {r}", args.temperature == 0)
                     table.add(f"MTP{k}", str(c), str(r), *row)
         engine.shutdown()

@@ -3,6 +3,7 @@ split the closed loop's ranking of k's was read from in session U)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -69,6 +70,31 @@ def test_the_excess_of_full_steps_is_split_out_where_a_choice_was_made() -> None
     # a step that chose within the median lap adds nothing.
     full = [step(0.001)] * 4 + [step(0.001, True), step(0.0015), step(0.003, True)]
     assert cell_phases.excess_cell(full) == "2.5 / 2.0 in 2"
+
+
+def test_the_slowest_full_steps_are_listed_in_step_order_with_what_ran_in_them() -> None:
+    def step(seconds: float, k: int = 2, prompt: int = 0, gc_seconds: float = 0.0) -> cell_phases.StepRecord:
+        return cell_phases.StepRecord(seconds, 2, prompt, 2, k, 0, 2e-5, 0, k == 3, gc_seconds)
+
+    # A prompt step's long lap is no full step's; of the full steps, the 4 ms one (after a change of k, with a
+    # choice) and the 3 ms one (garbage collected) lie furthest above the 1 ms median.
+    records = [step(0.009, prompt=5), step(0.001), step(0.003, gc_seconds=0.002), step(0.001), step(0.004, k=3),
+               step(0.001), step(0.001)]
+    lines = cell_phases.outlier_lines(records, 2, 2)
+    assert lines == ["step 2: lap 3.000 ms (+2.000), k 2 -> 2, sched 20 us, 0 faults, gc 2.00 ms, after a full step",
+                     "step 4: lap 4.000 ms (+3.000), k 2 -> 3, chose, sched 20 us, 0 faults, gc 0.00 ms, after a "
+                     "full step"]
+    assert cell_phases.outlier_lines(records[:1], 2, 2) == []
+
+
+def test_the_gc_clock_counts_a_collection() -> None:
+    clock = cell_phases.GcClock()
+    try:
+        before = clock.seconds
+        gc.collect()
+        assert clock.seconds > before
+    finally:
+        gc.callbacks.remove(clock._on_gc)
 
 
 def test_a_traced_auto_cell_marks_the_steps_where_a_choice_was_made(trained_ckpt: Path) -> None:
