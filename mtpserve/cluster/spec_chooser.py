@@ -111,6 +111,7 @@ class AdaptiveSpec:
         self.config = config
         self.acceptance = AcceptanceTable(config)
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost, config.modules)
+        self._modules = config.max_k if config.modules is None else config.modules  # past them a draft recurses
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
         self._chosen = [0] * (config.max_k + 1)  # steps planned at each k (a list: a numpy element += every
@@ -226,11 +227,15 @@ class AdaptiveSpec:
         for each (about 0.5 ms on the H100's host) cost auto 3-5 % (run 96); but the k the last request's own
         estimates chose is not theirs: after a request whose drafts were rejected (k = 0), the next one started at
         k = 0 for its prefill and its first dwell (simulated: 30 of its 150 steps), observing nothing there. At
-        T = 1, c = 1 auto ran 621 steps of a round at k = 0 where fixed k = 2 was best (run 237)."""
+        T = 1, c = 1 auto ran 621 steps of a round at k = 0 where fixed k = 2 was best (run 237). A probe of a
+        position that is due (see _probe_newcomers) is taken here, where it is free."""
         made = self._newcomers_of.get(bucket)
         if made is None or self.acceptance.now - made[1] >= self.config.max_dwell:
-            return self._choose_for_newcomers(batch)
-        return self._hold(made[0])
+            k = self._choose_for_newcomers(batch)
+        else:
+            k = made[0]
+        probe = self._probe_newcomers(k)
+        return self._hold(probe, k if probe != k else -1)
 
     def _choose_for_newcomers(self, batch: int) -> int:
         """The k for a batch of `batch` requests that are all waiting to start (a burst after an idle spell),
@@ -244,11 +249,23 @@ class AdaptiveSpec:
         k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy), current,
                      self.config.hysteresis)
         self._newcomers_of[self._rows_bucket] = (k, self.acceptance.now)
-        return self._hold(k)
+        return k
 
-    def _hold(self, k: int) -> int:
-        """Newcomers start at k, held for min_dwell steps: by then it is chosen for their own rows."""
-        self._bucket, self.k, self._probed_from = self._rows_bucket, k, -1
+    def _probe_newcomers(self, k: int) -> int:
+        """k + 1 where no request has drafted position k + 1 for probe_after steps: newcomers prefill the chain
+        they start with, so drafting one more position costs them no catch-up. Later in a request the same probe
+        rewinds it to where its module began to lag: at T = 1, c = 1 on the H200 the probes of position 3 were 11
+        dwells at k = 3 and 13 catch-ups of about 1.2 ms each, 1 % of a cell (run 267)."""
+        t = self.acceptance
+        if k >= self.config.max_k or t.now - t.drafted_at[k] <= self.config.probe_after:
+            return k
+        t.drafted_at[k] = t.now
+        return k + 1
+
+    def _hold(self, k: int, probed_from: int = -1) -> int:
+        """Newcomers start at k, held for min_dwell steps: by then it is chosen for their own rows (with the
+        hysteresis held to probed_from where k is a probe)."""
+        self._bucket, self.k, self._probed_from = self._rows_bucket, k, probed_from
         self._held, self.dwell = 0, self.config.min_dwell
         self._remember()
         self._chosen[k] += 1
@@ -281,7 +298,10 @@ class AdaptiveSpec:
         probe observed, k + 1 beats it by the hysteresis. A probe counts as drafting the position: where no
         request reaches it (its catch-up too long), the next one waits its turn."""
         t = self.acceptance
-        if k != self.k or k >= len(gains) or gains[k] <= 0.0 or t.now - t.drafted_at[k] <= self.config.probe_after:
+        # Within the modules such a probe rewinds every running request to where its module began to lag (a
+        # catch-up each): it waits twice as long, for newcomers to take it at no cost (_probe_newcomers).
+        due = self.config.probe_after * (2 if k < self._modules else 1)
+        if k != self.k or k >= len(gains) or gains[k] <= 0.0 or t.now - t.drafted_at[k] <= due:
             return k
         t.drafted_at[k] = t.now
         return k + 1
@@ -296,8 +316,7 @@ class AdaptiveSpec:
         leave module k - 1 behind, and every request would be caught up when k rose again: no probe there. Nor
         where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
         steps apart however many samples they gave (steps with prompt chunks are not timed)."""
-        modules = self.config.max_k if self.config.modules is None else self.config.modules
-        if k != self.k or k <= modules or k - 1 < floor:
+        if k != self.k or k <= self._modules or k - 1 < floor:
             return k
         costs, now, bucket = self.costs, self.acceptance.now, self.costs.bucket(batch)
         due = self.config.probe_after if costs.knows_recursion(batch) else costs.HOST_WINDOW

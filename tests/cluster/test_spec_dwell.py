@@ -236,6 +236,7 @@ def _one_request_at_a_time_at(p: list[float], probe_after: int, seed: int = 0) -
     for request in range(30):
         q = p[min(request, len(p) - 1)]
         tokens = 1.0 + np.concatenate(([0.0], np.cumsum(q ** np.arange(1, K + 1))))
+        spec.choose(np.empty(0, dtype=np.int64), batch=1)  # as the engine's: the newcomer's prefill step
         rows = np.array([spec.admit(K, True)])
         for _ in range(120):
             k = spec.choose(rows)
@@ -272,10 +273,53 @@ def test_a_probe_lasts_one_dwell_and_the_choice_returns_to_the_k_before_it() -> 
     p = np.tile([0.8, 0.5, 0.3, 0.3], (8, 1))  # rates at 10 % a draft: 1, 1.64, 1.67, 1.62, 1.56 (k = 2 best)
     spec, rows = spec_with(p, COSTS, hysteresis=0.05)
     assert spec.choose(rows) == 2
-    spec.acceptance.now += spec.config.probe_after + 1  # nobody drafted position 3 since
+    # Nobody drafted position 3 since; a probe within the modules waits twice probe_after (for newcomers).
+    spec.acceptance.now += 2 * spec.config.probe_after + 1
     assert spec.choose(rows) == 3  # the probe
     assert spec.choose(rows) == 2  # k = 3 is within the margin of k = 2, not beyond it
     assert [spec.choose(rows) for _ in range(8)] == [2] * 8  # and the next probe waits its turn
+
+
+def test_a_newcomer_to_an_empty_batch_takes_a_due_probe_and_the_next_choice_returns_to_k() -> None:
+    """A newcomer prefills the chain it starts with, so it drafts one more position at no catch-up: the probe of a
+    position nobody drafted for probe_after steps is taken there, for one dwell, and the hysteresis holds to
+    the k before it (later in a request the probe rewinds it: 13 catch-ups a cell at T = 1, c = 1, run 267)."""
+    p = np.tile([0.8, 0.5, 0.3, 0.3], (8, 1))  # k = 2 best, as in the test above
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, hysteresis=0.05, min_dwell=4))
+    for k, seconds in enumerate(COSTS):
+        spec.costs.observe(8, k, seconds)
+    spec.acceptance.prior_list[:] = p[0].tolist()  # the engine-wide prior learned from earlier requests
+    empty = np.empty(0, dtype=np.int64)
+    assert spec.choose(empty, batch=8) == 2  # position 3 drafted lately: no probe
+    spec.acceptance.now += spec.config.probe_after + 1
+    assert spec.choose(empty, batch=8) == 3  # the probe, well before a full choice would take it (2 x probe_after)
+    rows = np.array([spec.admit(K, True) for _ in range(8)])
+    spec.acceptance.set(rows, p.T)
+    ks = [spec.choose(rows) for _ in range(spec.config.min_dwell + 2)]
+    assert ks[: spec.config.min_dwell - 1] == [3] * (spec.config.min_dwell - 1) and ks[-1] == 2, ks
+
+
+def test_a_full_choice_probes_past_the_modules_sooner_than_within_them() -> None:
+    """Past the modules a draft reruns the last one and nothing lags: its probe costs no catch-up and comes
+    after probe_after steps; within them, after twice that."""
+    p = np.tile([0.9, 0.9, 0.9, 0.05], (8, 1))  # k = 3 best
+
+    def probe_comes_after(modules: int) -> int:
+        spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=0, modules=modules))
+        rows = np.array([spec.admit(K, True) for _ in range(8)])
+        spec.acceptance.set(rows, p.T)
+        for j, seconds in enumerate(COSTS):
+            spec.costs.observe(8, j, seconds)
+        assert spec.choose(rows) == 3
+        waited = 0
+        while spec.choose(rows) == 3:
+            spec.acceptance.now += 64
+            waited += 64
+        return waited
+
+    after = AdaptiveConfig.probe_after  # steps of 64 from here on, one more each choice
+    assert after - 64 < probe_comes_after(modules=2) <= after  # position 4 past the modules
+    assert 2 * after - 64 < probe_comes_after(modules=4) <= 2 * after  # within them
 
 
 def test_a_probe_lasts_min_dwell_steps_however_long_the_dwell_has_grown() -> None:
@@ -290,7 +334,7 @@ def test_a_probe_lasts_min_dwell_steps_however_long_the_dwell_has_grown() -> Non
     spec._dwell = lambda choice_seconds, step_seconds: 64  # a choice as dear as the longest dwell allows
     while spec.k != 2:
         spec.choose(rows)
-    spec.acceptance.now += spec.config.probe_after + 64
+    spec.acceptance.now += 2 * spec.config.probe_after + 64
     ks = [spec.choose(rows) for _ in range(72)]  # the probe comes at the next full choice, 64 steps on
     assert ks.count(3) == 4 and ks[ks.index(3) + 4] == 2, ks
 
