@@ -43,6 +43,12 @@ class AcceptanceTable:
     # 188).
     FEW_OBSERVATIONS = 256
     FEW_ROWS = 8
+    # How far a request's estimate is shrunk toward the prior is learned (see _score): each candidate strength is
+    # scored by how well the shrunk estimates predicted the next observations, over about the last 1 / SCORE_DECAY
+    # observations, and the best is used once MIN_SCORED have been scored (config.prior_strength until then).
+    STRENGTHS = (1.0, 3.0, 10.0, 30.0, 100.0)
+    SCORE_DECAY = 5e-4
+    MIN_SCORED = 500
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
@@ -63,6 +69,10 @@ class AcceptanceTable:
         self._pending: list[list[tuple[int, int, int]]] = []  # per queued step, (row, drafts, accepted)
         self._owned_from = [0] * rows  # the first queued step that is the row's own
         self._reused = False  # a row was acquired while steps were queued (some may be a former holder's)
+        self.strength = config.prior_strength  # the prior's weight, in observations, in what the chooser reads
+        self.scores = [0.0] * len(self.STRENGTHS)  # decayed squared errors of each candidate's predictions
+        self.scored = 0  # observations scored so far
+        self._strengths = np.array(self.STRENGTHS)[:, None]
 
     @property
     def prior(self) -> np.ndarray:
@@ -90,12 +100,12 @@ class AcceptanceTable:
     def fold(self, rows: np.ndarray) -> tuple[list[float], float, int]:
         """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
         token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k). Each row's
-        estimate is shrunk toward the prior by its observation count, as if the prior were prior_strength
-        observations."""
+        estimate is shrunk toward the prior by its observation count, as if the prior were `strength`
+        observations (learned: see _score)."""
         self.flush()
         if rows.size <= self.FEW_ROWS:
             return self._gather_few(rows)
-        n, s = self.n.take(rows, axis=1), self.config.prior_strength
+        n, s = self.n.take(rows, axis=1), self.strength
         mine = n / np.maximum(n + s, 1e-300)  # strength 0 and no observation: 0, the prior alone
         prior = self.prior[:, None]
         reach = prior + mine * (self.p.take(rows, axis=1) - prior)  # [K, n]
@@ -106,7 +116,7 @@ class AcceptanceTable:
 
     def _gather_few(self, rows: np.ndarray) -> tuple[list[float], float, int]:
         """fold's result for a few rows, one row at a time in plain Python (see the class)."""
-        strength, prior = self.config.prior_strength, self.prior_list
+        strength, prior = self.strength, self.prior_list
         gains, base, floor = [0.0] * len(prior), float(rows.size), 0
         p, n, within = self.p, self.n, self.within
         for row in rows.tolist():
@@ -173,14 +183,15 @@ class AcceptanceTable:
                     counts = rows.get(row) or rows.setdefault(row, [0] * (2 * width))
                     counts[reach] += 1
                     counts[width + accepted] += 1
+        cells = [(j, row, s, h) for row, counts in rows.items()
+                 for j, (s, h) in enumerate(zip(_tail_list(counts[:width]), _tail_list(counts[width:]))) if s]
+        self._score_few(cells)
         keep, full = 1.0 - self.config.decay, 1.0 / self.config.decay
         p, n = self.p, self.n
-        for row, counts in rows.items():
-            for j, (s, h) in enumerate(zip(_tail_list(counts[:width]), _tail_list(counts[width:]))):
-                if s:  # as _fold_rows, one cell at a time
-                    moved = 1.0 - keep**s
-                    p[j, row] += moved * (h / s - p[j, row])
-                    n[j, row] += moved * (full - n[j, row])
+        for j, row, s, h in cells:  # as _fold_rows, one cell at a time
+            moved = 1.0 - keep**s
+            p[j, row] += moved * (h / s - p[j, row])
+            n[j, row] += moved * (full - n[j, row])
         return _tail_list(reached), _tail_list(accepts)
 
     def _fold_many(self, pending: list[list[tuple[int, int, int]]], owned: list[int] | None
@@ -193,8 +204,10 @@ class AcceptanceTable:
         width = self._width
         own = None if owned is None else np.repeat(np.arange(len(pending)), sizes) >= np.array(owned)[rows]
         at, size = rows * width, self.p.shape[1] * width  # flat index of (row, reach)
-        self._fold_rows(_tails(np.bincount(at + reach, own, size).reshape(-1, width)).T,
-                        _tails(np.bincount(at + accepted, own, size).reshape(-1, width)).T)
+        seen = _tails(np.bincount(at + reach, own, size).reshape(-1, width)).T
+        hit = _tails(np.bincount(at + accepted, own, size).reshape(-1, width)).T
+        self._score_many(seen, hit)
+        self._fold_rows(seen, hit)
         return (_tails(np.bincount(reach, minlength=width)).tolist(),
                 _tails(np.bincount(accepted, minlength=width)).tolist())
 
@@ -205,6 +218,49 @@ class AcceptanceTable:
         moved = 1.0 - (1.0 - d) ** s  # 0 where nothing was seen
         self.p += moved * (h / np.maximum(s, 1.0) - self.p)
         self.n += moved * (1.0 / d - self.n)
+
+    def _score_many(self, s: np.ndarray, h: np.ndarray) -> None:
+        """Score each candidate strength on a block: s [K, rows] observations of each (position, row), h of them
+        hits, against the estimates before the block (what the chooser read for the steps that made it)."""
+        count = int(s.sum())
+        if not count:
+            return
+        cells = (s > 0) & (self.n > 0)  # a new row's estimate is the prior whatever the strength: no score
+        seen, hit, n, p = s[cells], h[cells], self.n[cells], self.p[cells]
+        q = np.broadcast_to(self.prior[:, None], s.shape)[cells]
+        pred = q + n / (n + self._strengths) * (p - q)  # [candidates, cells]
+        self._add_scores((hit * (1.0 - pred) ** 2 + (seen - hit) * pred**2).sum(axis=1).tolist(), count)
+
+    def _score_few(self, cells: list[tuple[int, int, int, int]]) -> None:
+        """_score_many over (position, row, seen, hit) cells, in plain Python."""
+        if not cells:
+            return
+        errors, prior, count = [0.0] * len(self.STRENGTHS), self.prior_list, 0
+        for j, row, s, h in cells:
+            n, q = float(self.n[j, row]), prior[j]
+            count += s
+            if n == 0.0:  # a new row's estimate is the prior whatever the strength: the same error for each
+                continue
+            # Predicting q + x (x = n / (n + strength) * (p - q)): h (1 - q - x)^2 + (s - h) (q + x)^2, a quadratic in x.
+            level, linear, d = h * (1.0 - q) ** 2 + (s - h) * q * q, 2.0 * (s * q - h), n * (float(self.p[j, row]) - q)
+            for c, strength in enumerate(self.STRENGTHS):
+                x = d / (n + strength)
+                errors[c] += level + x * (linear + s * x)
+        self._add_scores(errors, count)
+
+    def _add_scores(self, errors: list[float], count: int) -> None:
+        """Fold a block's squared errors (per candidate, over `count` observations) into the decayed scores; the
+        best candidate becomes the strength once MIN_SCORED observations were scored.
+
+        Why learned: a request's decayed estimate rests on about 1 / decay observations, and at T = 1 on the H200
+        its noise alone sent requests to k = 0 or 1, where nothing more is observed, for 84-734 steps of a c = 1
+        cell where k = 2 was best (run 267); where requests do differ, a strong pull toward the prior would
+        hide it. Which one holds is what the scores measure."""
+        keep = (1.0 - self.SCORE_DECAY) ** count
+        self.scores = [score * keep + error for score, error in zip(self.scores, errors)]
+        self.scored += count
+        if self.scored >= self.MIN_SCORED:
+            self.strength = self.STRENGTHS[min(range(len(self.scores)), key=self.scores.__getitem__)]
 
     def _fold_prior(self, seen: list[int], hits: list[int]) -> None:
         """Each position's prior moves toward the block's mean by the larger of a decayed weight (prior_decay

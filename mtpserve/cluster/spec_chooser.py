@@ -48,7 +48,9 @@ class AdaptiveConfig:
     initial_acceptance: float = 0.8
     # What the chooser uses is a request's estimate shrunk toward the prior, as if the prior were this many
     # observations (a request's own count saturates at 1 / decay): a short run of rejections, common within
-    # one request, must not send a whole step to k = 0, where nothing is observed until the next choice.
+    # one request, must not send a whole step to k = 0, where nothing is observed until the next choice. This
+    # is the strength until the acceptance table has scored enough observations to learn it (AcceptanceTable.
+    # STRENGTHS).
     prior_strength: float = 5.0
     # A position no request has drafted for this many steps is drafted for one dwell (k + 1 where the choice stays
     # at k): the engine-wide prior learns only from drafted positions, and after requests whose drafts did not pay
