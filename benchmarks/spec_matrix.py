@@ -367,14 +367,14 @@ def _us(seconds: list[float]) -> str:
 def describe_auto(engine: LLMEngine, c: int, greedy: bool) -> str:
     """What adaptive speculation now prices a batch of c at: the step cost per k (emitting the tokens the acceptance
     prior expects: priced without tokens, every host-bound k reads alike), its host line and device row, and the
-    prior."""
+    prior with the strength a request's estimate is pulled toward it by."""
     adaptive = engine.adaptive
     tokens = c * expected_tokens(np.array([adaptive.estimates()]))[0]
     costs, (a, b, _) = adaptive.costs.costs(c, tokens, greedy), adaptive.costs.host_line(c)
     return (f"step cost / k=0 {np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + "
             f"{b * 1e3:.4f}/token ms + {_us(adaptive.costs.host_draft_prices(c))} us a request at k = 0.., "
             f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
-            f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()}")
+            f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()} at strength {adaptive.acceptance.strength:g}")
 
 
 def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,
