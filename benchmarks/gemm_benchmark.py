@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth-gb", type=float, default=4.0, help="size of the copy that measures bandwidth")
     p.add_argument("--table-out", type=Path, default=None, help="write the dispatch table (JSON) here")
     p.add_argument("--show-candidates", action="store_true", help="print every candidate config's time (a sweep)")
+    p.add_argument("--cublaslt", action="store_true", help="also time F.linear with cuBLASLt preferred "
+                   "(torch.backends.cuda.preferred_blas_library): a third candidate, not in the dispatch table")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
                          rows="1,4,16,33", calls=2, warmup=1, iters=2, bandwidth_gb=0.05)
@@ -139,7 +141,9 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
         skinny = per_call_us(over_copies(lambda w: skinny_gemm(x, w, config=cfg), ws, args.calls), device,
                              args.warmup, args.iters)
         floor = (n * k + m * k + m * n) * size / bw * 1e6
-        table.add(name, str(n), str(k), str(m), cublas, f"{100 * floor / cublas:.0f}", skinny,
+        lt = [] if not args.cublaslt else [cublaslt_us(x, ws, device, args)]
+        table.add(name, str(n), str(k), str(m), cublas, f"{100 * floor / cublas:.0f}",
+                  *[c for us in lt for c in (us, f"{100 * floor / us:.0f}")], skinny,
                   f"{100 * floor / skinny:.0f}", "x".join(map(str, cfg.as_list())),
                   "skinny" if dispatch.Choice((), skinny, cublas).skinny_wins else "cuBLAS", cublas / skinny)
         key = dispatch.shape_key(dev_name, dtype, m_bucket(m), n, k)
@@ -151,6 +155,17 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
         times[m] = (cublas, skinny, floor, key)
     del ws, xs
     return times
+
+
+def cublaslt_us(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device, args: argparse.Namespace) -> float:
+    """F.linear's time per call with cuBLASLt preferred (on the H200, run 266: the down projection at 32-64 rows
+    88 % of its bytes against cuBLAS's 77-81 %, o at 32 rows 68 % against 57 %; the same from 128 rows)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return per_call_us(over_copies(lambda w: F.linear(x, w), ws, args.calls), device, args.warmup, args.iters)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def layer_table(times: dict[str, dict[int, tuple[float, float, float, str]]], entries: dict, rows: list[int]) -> Table:
@@ -182,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = common.measure_bandwidth(device, int(args.bandwidth_gb * 1e9))
     print(f"device {common.device_name(device)}; copy bandwidth {bw / 1e12:.3f} TB/s; {dtype}")
     table = Table(f"small-M GEMMs, {dtype}, % of floor = (w + x + y bytes) / {bw / 1e12:.2f} TB/s (copy)",
-                  ["proj", "N", "K", "M", "cuBLAS us", "cuBLAS %floor", "skinny us", "skinny %floor",
+                  ["proj", "N", "K", "M", "cuBLAS us", "cuBLAS %floor",
+                   *(["cuBLASLt us", "cuBLASLt %floor"] if args.cublaslt else []), "skinny us", "skinny %floor",
                    "config (bn x bk x split x warps x stages)", "winner", "cuBLAS/skinny"])
     entries: dict = {}
     times = {name: bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries) for name, n, k in shapes(args)}
