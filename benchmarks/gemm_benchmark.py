@@ -118,9 +118,12 @@ def bucket_configs(xs: dict[int, torch.Tensor], ws: list[torch.Tensor], device: 
     return out
 
 
+Times = tuple[float, float, float, str, float]  # cuBLAS us, skinny us, floor us, table key, cuBLASLt us (or inf)
+
+
 def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: torch.dtype, device: torch.device,
-                args: argparse.Namespace, table: Table, entries: dict) -> dict[int, tuple[float, float, float, str]]:
-    """Rows of `table` and `entries` for one projection; -> M -> (cuBLAS us, skinny us, floor us, table key)."""
+                args: argparse.Namespace, table: Table, entries: dict) -> dict[int, Times]:
+    """Rows of `table` and `entries` for one projection; -> M -> its Times (cuBLASLt's inf without --cublaslt)."""
     from mtpserve.kernels import linear_dispatch as dispatch
     from mtpserve.kernels.skinny_gemm import m_bucket, skinny_gemm
     from mtpserve.kernels.skinny_gemm_ref import skinny_gemm_ref
@@ -141,18 +144,18 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
         skinny = per_call_us(over_copies(lambda w: skinny_gemm(x, w, config=cfg), ws, args.calls), device,
                              args.warmup, args.iters)
         floor = (n * k + m * k + m * n) * size / bw * 1e6
-        lt = [] if not args.cublaslt else [cublaslt_us(x, ws, device, args)]
+        lt = cublaslt_us(x, ws, device, args) if args.cublaslt else math.inf
         table.add(name, str(n), str(k), str(m), cublas, f"{100 * floor / cublas:.0f}",
-                  *[c for us in lt for c in (us, f"{100 * floor / us:.0f}")], skinny,
+                  *([lt, f"{100 * floor / lt:.0f}"] if args.cublaslt else []), skinny,
                   f"{100 * floor / skinny:.0f}", "x".join(map(str, cfg.as_list())),
-                  "skinny" if dispatch.Choice((), skinny, cublas).skinny_wins else "cuBLAS", cublas / skinny)
+                  dispatch.Choice((), skinny, cublas, lt).route, cublas / skinny)
         key = dispatch.shape_key(dev_name, dtype, m_bucket(m), n, k)
         old = entries.get(key)
-        entries[key] = dispatch.Choice(tuple(cfg.as_list()),
-                                       skinny + (old.skinny_us if old else 0.0), cublas + (old.cublas_us if old else 0.0))
+        entries[key] = dispatch.Choice(tuple(cfg.as_list()), skinny + (old.skinny_us if old else 0.0),
+                                       cublas + (old.cublas_us if old else 0.0), lt + (old.cublaslt_us if old else 0.0))
         print(f"{name:8s} N {n:6d} K {k:5d} M {m:3d}: cuBLAS {cublas:8.1f} us  skinny {skinny:8.1f} us "
               f"({cfg.as_list()})  floor {floor:7.1f} us")
-        times[m] = (cublas, skinny, floor, key)
+        times[m] = (cublas, skinny, floor, key, lt)
     del ws, xs
     return times
 
@@ -168,15 +171,16 @@ def cublaslt_us(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device, a
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def layer_table(times: dict[str, dict[int, tuple[float, float, float, str]]], entries: dict, rows: list[int]) -> Table:
-    """One decoder layer's four GEMMs (qkv, o, gate_up, down) per M: cuBLAS, skinny, and what auto would run."""
+def layer_table(times: dict[str, dict[int, Times]], entries: dict, rows: list[int]) -> Table:
+    """One decoder layer's four GEMMs (qkv, o, gate_up, down) per M: cuBLAS, skinny, and what auto would run (with
+    --cublaslt, cuBLASLt where the table's route is it)."""
     t = Table("one decoder layer's GEMMs (qkv + o + gate_up + down): us and % of their floor; auto = per "
               "projection and M bucket, the table's winner", ["M", "cuBLAS us", "%floor", "skinny us", "%floor",
                                                               "auto us", "%floor"])
     for m in rows:
         parts = [times[name][m] for name in ("qkv", "o", "gate_up", "down")]
         cublas, skinny, floor = (sum(p[i] for p in parts) for i in range(3))
-        auto = sum(p[1] if entries[p[3]].skinny_wins else p[0] for p in parts)
+        auto = sum({"skinny": p[1], "cublaslt": p[4]}.get(entries[p[3]].route, p[0]) for p in parts)
         t.add(str(m), cublas, f"{100 * floor / cublas:.0f}", skinny, f"{100 * floor / skinny:.0f}", auto,
               f"{100 * floor / auto:.0f}")
     return t
@@ -202,17 +206,18 @@ def main(argv: list[str] | None = None) -> int:
                    "config (bn x bk x split x warps x stages)", "winner", "cuBLAS/skinny"])
     entries: dict = {}
     times = {name: bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries) for name, n, k in shapes(args)}
-    wins = sum(c.skinny_wins for c in entries.values())
+    wins = sum(c.route != "cublas" for c in entries.values())
     if args.table_out is not None:
         dispatch.save_table(args.table_out, entries)
-        print(f"dispatch table: {len(entries)} (shape, M bucket) entries, skinny wins {wins}: {args.table_out}")
+        print(f"dispatch table: {len(entries)} (shape, M bucket) entries, skinny or cuBLASLt wins {wins}: "
+              f"{args.table_out}")
     notes = [f"shapes: hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
              f"intermediate {args.intermediate}, vocab {args.vocab} (qkv and gate/up fused, as the models hold them)",
              f"per-call time = median of {args.iters} replays of one CUDA graph of {args.calls}+ products cycling "
              f"through weight copies of >= {L2_FLUSH_BYTES >> 20} MB in all (no L2 reuse); CPU: eager, interpreted",
              "skinny config per M bucket (16/32/64/128/256): the fastest of skinny_gemm.candidate_configs at the "
              "bucket's largest M, timed the same way; the table's winner per bucket compares the sums over its rows",
-             f"dispatch table: skinny wins {wins} of {len(entries)} (shape, M bucket) entries"]
+             f"dispatch table: skinny or cuBLASLt wins {wins} of {len(entries)} (shape, M bucket) entries"]
     common.report(args, "gemm_benchmark", device, [table, layer_table(times, entries, rows)], notes)
     return 0
 

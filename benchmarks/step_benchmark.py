@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         if not choice.config:  # no memory to measure it, or no config fits: cuBLAS
             print(f"dispatch {key}: not measured -> cuBLAS")
             continue
-        print(f"dispatch {key}: skinny {choice.skinny_us:.1f} us {choice.config}, cuBLAS {choice.cublas_us:.1f} us -> "
-              f"{'skinny' if choice.skinny_wins else 'cuBLAS'}")
+        print(f"dispatch {key}: skinny {choice.skinny_us:.1f} us {choice.config}, cuBLAS {choice.cublas_us:.1f} us, "
+              f"cuBLASLt {choice.cublaslt_us:.1f} us -> {choice.route}")
     tables, profile_notes = [table, lean_table] + ([window_table, draft_table] if len(model.mtp) else []), []
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)

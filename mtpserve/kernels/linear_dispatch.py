@@ -1,12 +1,15 @@
-"""Which GEMM runs a linear layer's product: F.linear (cuBLAS) or skinny_gemm, chosen per measured shape.
+"""Which GEMM runs a linear layer's product: F.linear (cuBLAS, or cuBLASLt) or skinny_gemm, chosen per measured
+shape.
 
-  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm where it was measured faster than F.linear for this
-                             device, dtype, M bucket, N and K; a shape missing from the table is measured
-                             the first time it runs outside a CUDA-graph capture, and cuBLAS takes it
-                             meanwhile
+  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm or F.linear with cuBLASLt preferred where one of them was
+                             measured faster than plain F.linear for this device, dtype, M bucket, N and K;
+                             a shape missing from the table is measured the first time it runs outside a
+                             CUDA-graph capture, and cuBLAS takes it meanwhile
   MTPSERVE_SKINNY_GEMM=off   every product is F.linear
   MTPSERVE_SKINNY_GEMM=on    skinny_gemm for every eligible call, with its best measured config (A/B runs);
                              a shape first seen inside a capture still goes to cuBLAS (nothing compiled)
+  MTPSERVE_CUBLASLT=off      cuBLASLt is neither measured nor taken (a platform where it misbehaves; for A/B
+                             runs also set MTPSERVE_SKINNY_CACHE empty: a cache keeps what was measured without it)
   MTPSERVE_SKINNY_TABLE=path a JSON table written by benchmarks/gemm_benchmark.py (--table-out), loaded
                              at import; entries of another device are ignored
   MTPSERVE_SKINNY_CACHE=path where measured choices persist between starts (default
@@ -28,12 +31,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +50,8 @@ ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise stays with cuBLAS
 # Bump when skinny_gemm or the measurement changes what a stored choice means: caches of another revision
 # (or another torch or triton) are ignored.
-CACHE_REVISION = 3
+CACHE_REVISION = 4
+CUBLASLT = "cublaslt"  # the route of a product that F.linear runs with cuBLASLt preferred
 
 
 @dataclass(frozen=True)
@@ -56,10 +61,21 @@ class Choice:
     config: tuple[int, ...]  # SkinnyConfig fields (block_n, block_k, split, num_warps, num_stages)
     skinny_us: float
     cublas_us: float
+    # F.linear with cuBLASLt preferred (inf: not measured). Its heuristics pick other kernels at 32-64 rows: on
+    # the H200 the down projection ran at 88-90 % of its bytes there against cuBLAS's 78-85 % and the skinny
+    # kernel's 85-89 %, gate/up at 64 rows 58.3 us against 60.5 and 62.2 (run 272).
+    cublaslt_us: float = float("inf")
+
+    @property
+    def route(self) -> str:
+        """'skinny', CUBLASLT or 'cublas': the faster of the first two where it beats cuBLAS by WIN_MARGIN."""
+        if min(self.skinny_us, self.cublaslt_us) >= WIN_MARGIN * self.cublas_us:
+            return "cublas"
+        return "skinny" if self.skinny_us <= self.cublaslt_us else CUBLASLT
 
     @property
     def skinny_wins(self) -> bool:
-        return self.skinny_us < WIN_MARGIN * self.cublas_us
+        return self.route == "skinny"
 
 
 _mode = "auto"
@@ -99,7 +115,8 @@ def table() -> dict[str, Choice]:
 
 
 def save_table(path: Path, entries: dict[str, Choice], revision: str | None = None) -> None:
-    rows = {key: {"config": list(c.config), "skinny_us": c.skinny_us, "cublas_us": c.cublas_us}
+    rows = {key: {"config": list(c.config), "skinny_us": c.skinny_us, "cublas_us": c.cublas_us,
+                  **({"cublaslt_us": c.cublaslt_us} if math.isfinite(c.cublaslt_us) else {})}
             for key, c in sorted(entries.items())}
     head = {"version": 1} if revision is None else {"version": 1, "revision": revision}
     Path(path).write_text(json.dumps({**head, "entries": rows}, indent=1) + "\n")
@@ -114,7 +131,8 @@ def load_table(path: Path, revision: str | None = None, overwrite: bool = True) 
     added = 0
     for key, row in data["entries"].items():
         if overwrite or key not in _table:
-            _table[key] = Choice(tuple(row["config"]), float(row["skinny_us"]), float(row["cublas_us"]))
+            _table[key] = Choice(tuple(row["config"]), float(row["skinny_us"]), float(row["cublas_us"]),
+                                 float(row.get("cublaslt_us", math.inf)))
             added += 1
     return added
 
@@ -180,14 +198,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
         return F.linear(x, weight, bias)
-    config = _config_for(x2, weight, bias)
-    if config is None:
+    route = _route_for(x2, weight, bias)
+    if route is None:
         return F.linear(x, weight, bias)
-    return skinny_gemm(x2, weight, bias, SkinnyConfig(*config)).view(*x.shape[:-1], weight.shape[0])
+    if route == CUBLASLT:
+        with cublaslt():
+            return F.linear(x, weight, bias)
+    return skinny_gemm(x2, weight, bias, SkinnyConfig(*route)).view(*x.shape[:-1], weight.shape[0])
 
 
-def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...] | None:
-    """The skinny config to run, or None for cuBLAS; measures a new shape when the stream is not capturing."""
+@contextlib.contextmanager
+def cublaslt() -> Iterator[None]:
+    """F.linear inside prefers cuBLASLt (a process-wide flag, read as each product is dispatched: a graph captured
+    inside keeps the kernels it chose)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(CUBLASLT)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...] | str | None:
+    """The skinny config to run, CUBLASLT, or None for cuBLAS; measures a new shape when the stream is not
+    capturing."""
     from mtpserve.kernels.skinny_gemm import m_bucket
 
     (rows, k), n = x.shape, weight.shape[0]
@@ -198,13 +232,23 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if choice is None and not torch.cuda.is_current_stream_capturing():
         choice = _table[key] = measure(x, weight, bias)
         _persist()
-    if choice is None or not choice.config:  # first seen inside a capture (nothing compiled), or no config fits
+    if choice is None:  # first seen inside a capture (nothing compiled)
         return None
-    return choice.config if _mode == "on" or choice.skinny_wins else None
+    if _mode == "on":
+        return choice.config or None
+    route = choice.route
+    if route == CUBLASLT and not _cublaslt_allowed():
+        route = "skinny" if choice.skinny_us < WIN_MARGIN * choice.cublas_us else "cublas"
+    return choice.config if route == "skinny" else CUBLASLT if route == CUBLASLT else None
+
+
+def _cublaslt_allowed() -> bool:
+    return os.environ.get("MTPSERVE_CUBLASLT", "on") != "off"
 
 
 def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, reps: int = 5) -> Choice:
-    """Time F.linear and every candidate config as a captured step runs them; syncs the device.
+    """Time F.linear (with cuBLAS, then with cuBLASLt preferred) and every candidate config as a captured step runs
+    them; syncs the device.
 
     Each is captured CALLS times back to back into one CUDA graph, each call on the next of a few copies
     of the weight (twice the L2 in all, so no call finds its weight cached; at most CALLS), timed per call
@@ -228,6 +272,10 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     try:
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         cublas = _replay_us(lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias), weights, reps)
+        lt = float("inf")
+        if _cublaslt_allowed():
+            with cublaslt():
+                lt = _replay_us(lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias), weights, reps)
     except torch.cuda.OutOfMemoryError:
         warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
         return Choice((), float("inf"), 0.0)
@@ -246,7 +294,7 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             continue
         if best is None or us < best[0]:
             best = (us, tuple(cfg.as_list()))
-    return Choice((), float("inf"), cublas) if best is None else Choice(best[1], best[0], cublas)
+    return Choice((), float("inf"), cublas, lt) if best is None else Choice(best[1], best[0], cublas, lt)
 
 
 CALLS = 12  # products per measuring graph: enough for the gaps between them to show, short to capture

@@ -74,6 +74,42 @@ def test_table_round_trips_and_decides(tmp_path):
     assert wins.skinny_wins and not loses.skinny_wins
 
 
+def test_the_route_is_the_fastest_of_three_with_cublas_kept_within_the_margin(tmp_path):
+    """cuBLASLt is a third route: taken where it beats both cuBLAS (by WIN_MARGIN) and the skinny kernel; a table
+    written before it was measured loads with it unmeasured (inf)."""
+    lt = dispatch.Choice((64, 128, 2, 4, 4), 11.0, 12.0, 10.5)
+    skinny = dispatch.Choice((64, 128, 2, 4, 4), 10.0, 12.0, 10.5)
+    tie = dispatch.Choice((64, 128, 2, 4, 4), 13.0, 12.0, 11.9)  # within 2 % of cuBLAS: cuBLAS
+    no_config = dispatch.Choice((), float("inf"), 12.0, 11.0)  # no skinny config fits, cuBLASLt may still win
+    assert [c.route for c in (lt, skinny, tie, no_config)] == [dispatch.CUBLASLT, "skinny", "cublas", dispatch.CUBLASLT]
+    assert skinny.skinny_wins and not lt.skinny_wins
+    path = tmp_path / "table.json"
+    dispatch.save_table(path, {"lt": lt, "tie": tie})
+    dispatch._table.clear()
+    assert dispatch.load_table(path) == 2 and dispatch.table() == {"lt": lt, "tie": tie}
+    old = {"version": 1, "entries": {"a": {"config": [64, 128, 2, 4, 4], "skinny_us": 10.0, "cublas_us": 12.0}}}
+    path.write_text(json.dumps(old))
+    dispatch._table.clear()
+    dispatch.load_table(path)
+    assert dispatch.table()["a"].cublaslt_us == float("inf") and dispatch.table()["a"].route == "skinny"
+
+
+def test_with_cublaslt_off_a_measured_cublaslt_route_falls_back(monkeypatch):
+    """MTPSERVE_CUBLASLT=off: where cuBLASLt was measured fastest, the next best route runs instead."""
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "GPU X")
+    monkeypatch.setattr(dispatch, "_cache_loaded", True)
+    x, w = torch.zeros(8, 64), torch.zeros(32, 64)
+    key = dispatch.shape_key("GPU X", torch.float32, 16, 32, 64)
+    dispatch.set_mode("auto")
+    for choice, routed in ((dispatch.Choice((64, 128, 1, 4, 4), 11.0, 12.0, 10.0), (64, 128, 1, 4, 4)),
+                           (dispatch.Choice((64, 128, 1, 4, 4), 13.0, 12.0, 10.0), None)):
+        dispatch.record(key, choice)
+        monkeypatch.setenv("MTPSERVE_CUBLASLT", "on")
+        assert dispatch._route_for(x, w, None) == dispatch.CUBLASLT
+        monkeypatch.setenv("MTPSERVE_CUBLASLT", "off")
+        assert dispatch._route_for(x, w, None) == routed
+
+
 def test_measured_choices_persist_for_the_next_start(tmp_path):
     """What one start measured, the next one reads (without replacing an explicit table's entries); a cache of
     another revision is ignored, and a shape left to cuBLAS for want of memory is not kept."""
@@ -162,6 +198,28 @@ def test_a_second_start_takes_the_cached_choice_without_measuring(monkeypatch):
     monkeypatch.setattr(dispatch, "measure", no_measuring)
     assert torch.equal(layer(x), first), "the same kernel and config: the same bits"
     assert dispatch.table()[key] == chosen
+
+
+@cuda
+def test_the_cublaslt_route_matches_f_linear_eagerly_and_in_a_graph_and_restores_the_library():
+    from mtpserve.kernels.skinny_gemm import m_bucket
+
+    torch.manual_seed(0)
+    layer = dispatch.DispatchedLinear(512, 768, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(24, 512, device="cuda", dtype=torch.bfloat16)
+    key = dispatch.shape_key(torch.cuda.get_device_name(), torch.bfloat16, m_bucket(24), 768, 512)
+    dispatch.record(key, dispatch.Choice((64, 128, 1, 4, 4), 20.0, 12.0, 10.0))  # cuBLASLt measured fastest
+    dispatch.set_mode("auto")
+    before = torch.backends.cuda.preferred_blas_library()
+    expected = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 @cuda
