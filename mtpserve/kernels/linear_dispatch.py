@@ -1,15 +1,18 @@
 """Which GEMM runs a linear layer's product: F.linear (cuBLAS, or cuBLASLt) or skinny_gemm, chosen per measured
 shape.
 
-  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm or F.linear with cuBLASLt preferred where one of them was
-                             measured faster than plain F.linear for this device, dtype, M bucket, N and K;
+  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm (or, with MTPSERVE_CUBLASLT=on, F.linear with cuBLASLt
+                             preferred) where it was measured faster than plain F.linear for this device,
+                             dtype, M bucket, N and K;
                              a shape missing from the table is measured the first time it runs outside a
                              CUDA-graph capture, and cuBLAS takes it meanwhile
   MTPSERVE_SKINNY_GEMM=off   every product is F.linear
   MTPSERVE_SKINNY_GEMM=on    skinny_gemm for every eligible call, with its best measured config (A/B runs);
                              a shape first seen inside a capture still goes to cuBLAS (nothing compiled)
-  MTPSERVE_CUBLASLT=off      cuBLASLt is neither measured nor taken (a platform where it misbehaves; for A/B
-                             runs also set MTPSERVE_SKINNY_CACHE empty: a cache keeps what was measured without it)
+  MTPSERVE_CUBLASLT=on       also measure F.linear with cuBLASLt preferred, and take it where it is fastest
+                             (default off until an engine run on a GPU has checked it: so far only
+                             gemm_benchmark.py --cublaslt has timed it; for A/B runs also set
+                             MTPSERVE_SKINNY_CACHE empty, since a cache keeps what was measured without it)
   MTPSERVE_SKINNY_TABLE=path a JSON table written by benchmarks/gemm_benchmark.py (--table-out), loaded
                              at import; entries of another device are ignored
   MTPSERVE_SKINNY_CACHE=path where measured choices persist between starts (default
@@ -243,7 +246,7 @@ def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def _cublaslt_allowed() -> bool:
-    return os.environ.get("MTPSERVE_CUBLASLT", "on") != "off"
+    return os.environ.get("MTPSERVE_CUBLASLT", "off") == "on"
 
 
 def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, reps: int = 5) -> Choice:

@@ -95,7 +95,7 @@ def test_the_route_is_the_fastest_of_three_with_cublas_kept_within_the_margin(tm
 
 
 def test_with_cublaslt_off_a_measured_cublaslt_route_falls_back(monkeypatch):
-    """MTPSERVE_CUBLASLT=off: where cuBLASLt was measured fastest, the next best route runs instead."""
+    """Unless MTPSERVE_CUBLASLT=on (off by default), where cuBLASLt was measured fastest the next best route runs."""
     monkeypatch.setattr(dispatch, "_device_name", lambda device: "GPU X")
     monkeypatch.setattr(dispatch, "_cache_loaded", True)
     x, w = torch.zeros(8, 64), torch.zeros(32, 64)
@@ -107,6 +107,8 @@ def test_with_cublaslt_off_a_measured_cublaslt_route_falls_back(monkeypatch):
         monkeypatch.setenv("MTPSERVE_CUBLASLT", "on")
         assert dispatch._route_for(x, w, None) == dispatch.CUBLASLT
         monkeypatch.setenv("MTPSERVE_CUBLASLT", "off")
+        assert dispatch._route_for(x, w, None) == routed
+        monkeypatch.delenv("MTPSERVE_CUBLASLT")
         assert dispatch._route_for(x, w, None) == routed
 
 
@@ -201,9 +203,10 @@ def test_a_second_start_takes_the_cached_choice_without_measuring(monkeypatch):
 
 
 @cuda
-def test_the_cublaslt_route_matches_f_linear_eagerly_and_in_a_graph_and_restores_the_library():
+def test_the_cublaslt_route_matches_f_linear_eagerly_and_in_a_graph_and_restores_the_library(monkeypatch):
     from mtpserve.kernels.skinny_gemm import m_bucket
 
+    monkeypatch.setenv("MTPSERVE_CUBLASLT", "on")
     torch.manual_seed(0)
     layer = dispatch.DispatchedLinear(512, 768, bias=True, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(24, 512, device="cuda", dtype=torch.bfloat16)
