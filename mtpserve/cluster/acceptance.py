@@ -47,8 +47,8 @@ class AcceptanceTable:
     # scored by how well the shrunk estimates predicted the next observations, over about the last 1 / SCORE_DECAY
     # observations, and the best is used once MIN_SCORED have been scored (config.prior_strength until then).
     STRENGTHS = (1.0, 3.0, 10.0, 30.0, 100.0)
-    SCORE_DECAY = 5e-4
-    MIN_SCORED = 500
+    SCORE_DECAY = 1e-4
+    MIN_SCORED = 1000
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
