@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Auto against fixed k with the host's drift paired out: an engine per variant, their short cells interleaved.
+
+    python benchmarks/interleaved.py --ks 2,auto --concurrency 1 --temperature 1 --rounds 64
+    python benchmarks/interleaved.py --tiny --device cpu --ks 1,auto --rounds 2     # a smoke run, seconds
+
+spec_matrix.py runs every k on one engine, a cell of 2 x conc requests (about a second) at a time, and on the
+H200 the host's speed moved within its rounds: one cell's runs spread 0.8-24 % (session AC, runs 268 and 271),
+0.4-12x issue 11's 2 % margin. Here each variant (a fixed k, or auto) has its own engine, so none learns from
+another's steps, and a round runs one short cell of each (--requests-per-cell requests at the concurrency; at
+c = 1 one request, a fraction of a second), the variants in a balanced order, all on the same prompts and seeds.
+A slow spell of the host then falls on every variant alike, and each round gives a paired ratio.
+
+Per variant: its tok/s over all rounds (tokens / seconds, summed), its acceptance length, and auto's tok/s over
+its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). A cell of a few requests at c > 1 is
+mostly ramp-up and drain: give it several times the concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import spec_matrix  # noqa: E402
+import workloads  # noqa: E402
+from common import Table  # noqa: E402
+
+from mtpserve.cluster.engine import LLMEngine  # noqa: E402
+from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
+
+Cell = tuple[int, float, float]  # tokens, seconds, acceptance length
+
+
+def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(auto's tok/s over fixed's, summed over the rounds; its 5th and 95th percentiles over rounds resampled with
+    replacement). The two lists hold the same rounds, in order."""
+    def ratio(rounds: list[int]) -> float:
+        a = sum(auto[r][0] for r in rounds) / sum(auto[r][1] for r in rounds)
+        return a / (sum(fixed[r][0] for r in rounds) / sum(fixed[r][1] for r in rounds))
+
+    rng, n = random.Random(seed), len(auto)
+    resampled = sorted(ratio([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    return ratio(list(range(n))), resampled[int(0.05 * draws)], resampled[int(0.95 * draws) - 1]
+
+
+def build_engines(args: argparse.Namespace, device: str, tmp: Path, ks: list[int | str], c: int) -> dict:
+    """An engine per variant, each with an equal share of the GPU's memory."""
+    model = workloads.resolve_model(args.model, args.tiny, tmp)
+    share = {"gpu_memory_utilization": 0.85 / len(ks)} if device.startswith("cuda") else {}
+    return {k: LLMEngine(EngineConfig(model=str(model), device=device, dtype=args.dtype, max_num_seqs=c,
+                                      seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens, **share))
+            for k in ks}
+
+
+def run_rounds(args: argparse.Namespace, engines: dict, prompts: list, c: int) -> dict[int | str, list[Cell]]:
+    """Every round, one cell per variant on that round's prompts, in a balanced order; -> per variant its cells."""
+    n = args.requests_per_cell
+    cells: dict[int | str, list[Cell]] = {k: [] for k in engines}
+    for r in range(args.rounds):
+        for k in common.balanced_order(list(engines), r):
+            jobs = spec_matrix.matrix_jobs(args, prompts[r * n:(r + 1) * n], k, n, args.max_tokens)
+            run = workloads.drive(engines[k], jobs, c, f"r{r}k{k}c{c}")
+            cells[k].append((run.num_tokens, run.wall, run.spec.acceptance_length))
+    return cells
+
+
+def table_for(cells: dict[int | str, list[Cell]], c: int) -> Table:
+    t = Table(f"interleaved cells at c = {c}: tok/s summed over rounds; auto over each fixed k with a 90 % bootstrap "
+              "interval over rounds", ["variant", "conc", "rounds", "tokens", "tok/s", "AL", "auto / this", "90 % interval"])
+    auto = cells.get(spec_matrix.AUTO)
+    for k, mine in cells.items():
+        tokens, seconds = sum(x[0] for x in mine), sum(x[1] for x in mine)
+        al = sum(x[2] * x[0] for x in mine) / max(tokens, 1)  # weighted by tokens
+        if auto is None or k == spec_matrix.AUTO:
+            shown = ["-", "-"]
+        else:
+            ratio, low, high = ratio_interval(auto, mine)
+            shown = [f"{ratio:.3f}", f"{low:.3f} - {high:.3f}"]
+        t.add(f"MTP{k}", str(c), str(len(mine)), str(tokens), tokens / seconds, f"{al:.2f}", *shown)
+    return t
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    spec_matrix.add_matrix_args(p)
+    p.add_argument("--rounds", type=int, default=32, help="cells per variant, interleaved")
+    p.add_argument("--requests-per-cell", type=int, default=1, help="requests in one cell (at c > 1, several x c)")
+    args = p.parse_args(argv)
+    common.tiny_defaults(p, args, concurrency="1", max_tokens=16, ks="1,auto")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = common.pick_device(args.device, args.tiny)
+    ks, tables, notes = common.parse_ks(args.ks), [], []
+    with tempfile.TemporaryDirectory(prefix="mtpserve-interleaved-") as tmp:
+        for c in common.parse_ints(args.concurrency):
+            engines = build_engines(args, str(device), Path(tmp), ks, c)
+            first = next(iter(engines.values()))
+            prompts = spec_matrix.matrix_prompts(args, args.rounds * args.requests_per_cell,
+                                                 first.model_config.vocab_size)
+            for k, engine in engines.items():  # compiles, captures and fills the prefix cache before the clock runs
+                warm = spec_matrix.matrix_jobs(args, prompts, k, args.requests_per_cell, args.max_tokens)
+                workloads.drive(engine, warm, c, f"warm{k}c{c}")
+            notes.append(f"c={c}: {spec_matrix.pin_driver(args, device)}")
+            tables.append(table_for(run_rounds(args, engines, prompts, c), c))
+            for engine in engines.values():
+                engine.shutdown()
+    notes.append(f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.workload} prompts, "
+                 f"{args.max_tokens} tokens per request, {args.requests_per_cell} request(s) a cell, an engine per "
+                 "variant (none learns from another's steps), the same prompts and seeds in every variant's cell of a "
+                 "round")
+    common.report(args, "interleaved", device, tables, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
