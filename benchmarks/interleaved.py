@@ -72,7 +72,8 @@ def run_rounds(args: argparse.Namespace, engines: dict, prompts: list, c: int) -
 
 def table_for(cells: dict[int | str, list[Cell]], c: int) -> Table:
     t = Table(f"interleaved cells at c = {c}: tok/s summed over rounds; auto over each fixed k with a 90 % bootstrap "
-              "interval over rounds", ["variant", "conc", "rounds", "tokens", "tok/s", "AL", "auto / this", "90 % interval"])
+              "interval over rounds",
+              ["variant", "conc", "rounds", "tokens", "tok/s", "AL", "auto / this", "90 % interval"])
     auto = cells.get(spec_matrix.AUTO)
     for k, mine in cells.items():
         tokens, seconds = sum(x[0] for x in mine), sum(x[1] for x in mine)

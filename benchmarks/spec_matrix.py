@@ -374,7 +374,8 @@ def describe_auto(engine: LLMEngine, c: int, greedy: bool) -> str:
     return (f"step cost / k=0 {np.round(costs / costs[0], 2).tolist()} (host now {a * 1e3:.3f} + "
             f"{b * 1e3:.4f}/token ms + {_us(adaptive.costs.host_draft_prices(c))} us a request at k = 0.., "
             f"device {np.round(adaptive.costs.device(c, greedy) * 1e3, 3).tolist()} ms), "
-            f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()} at strength {adaptive.acceptance.strength:g}")
+            f"acceptance prior {np.round(adaptive.estimates(), 2).tolist()} at strength "
+            f"{adaptive.acceptance.strength:g}")
 
 
 def _engine_target(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int,

@@ -43,7 +43,7 @@ class AcceptanceTable:
     # 188).
     FEW_OBSERVATIONS = 256
     FEW_ROWS = 8
-    # How far a request's estimate is shrunk toward the prior is learned (see _score): each candidate strength is
+    # How far a request's estimate is shrunk toward the prior is learned (see _add_scores): each candidate strength is
     # scored by how well the shrunk estimates predicted the next observations, over about the last 1 / SCORE_DECAY
     # observations, and the best is used once MIN_SCORED have been scored (config.prior_strength until then).
     STRENGTHS = (1.0, 3.0, 10.0, 30.0, 100.0)
@@ -101,7 +101,7 @@ class AcceptanceTable:
         """For choose_k: (gains [K]: the adaptive rows' summed prod_{i <= j} p_i up to their caps; base: one
         token per row plus the fixed rows' expected accepted drafts; floor: the largest fixed k). Each row's
         estimate is shrunk toward the prior by its observation count, as if the prior were `strength`
-        observations (learned: see _score)."""
+        observations (learned: see _add_scores)."""
         self.flush()
         if rows.size <= self.FEW_ROWS:
             return self._gather_few(rows)
@@ -241,7 +241,7 @@ class AcceptanceTable:
             count += s
             if n == 0.0:  # a new row's estimate is the prior whatever the strength: the same error for each
                 continue
-            # Predicting q + x (x = n / (n + strength) * (p - q)): h (1 - q - x)^2 + (s - h) (q + x)^2, a quadratic in x.
+            # Predicting q + x, x = n / (n + strength) * (p - q): h (1 - q - x)^2 + (s - h) (q + x)^2, quadratic in x.
             level, linear, d = h * (1.0 - q) ** 2 + (s - h) * q * q, 2.0 * (s * q - h), n * (float(self.p[j, row]) - q)
             for c, strength in enumerate(self.STRENGTHS):
                 x = d / (n + strength)

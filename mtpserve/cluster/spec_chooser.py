@@ -113,7 +113,6 @@ class AdaptiveSpec:
         self.config = config
         self.acceptance = AcceptanceTable(config)
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost, config.modules)
-        self._modules = config.max_k if config.modules is None else config.modules  # past them a draft recurses
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
         self._chosen = [0] * (config.max_k + 1)  # steps planned at each k (a list: a numpy element += every
@@ -134,6 +133,11 @@ class AdaptiveSpec:
         self._held_of: dict[int, _Held] = {}
         self._probed_down_at: dict[int, int] = {}  # per bucket, the step of its last probe below k
         self._newcomers_of: dict[int, tuple[int, int]] = {}  # per bucket, the last newcomers' choice: (k, step)
+
+    @property
+    def _modules(self) -> int:
+        """The MTP modules: past them a draft reruns the last one (config.modules, or max_k where None)."""
+        return self.config.max_k if self.config.modules is None else self.config.modules
 
     @property
     def choosing(self) -> bool:
