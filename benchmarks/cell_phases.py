@@ -165,8 +165,9 @@ def outlier_lines(records: list[StepRecord], concurrency: int, count: int) -> li
     lap = statistics.median(records[i].seconds for i in full)
     worst = sorted(sorted(full, key=lambda i: records[i].seconds, reverse=True)[:count])
     return [f"step {i}: lap {r.seconds * 1e3:.3f} ms (+{(r.seconds - lap) * 1e3:.3f}), "
-            f"k {records[i - 1].k if i else '-'} -> {r.k}{', chose' if r.chose else ''}, sched {r.schedule * 1e6:.0f} us, "
-            f"{r.faults} faults, gc {r.gc_seconds * 1e3:.2f} ms, after a {phases[i - 1] if i else '-'} step"
+            f"k {records[i - 1].k if i else '-'} -> {r.k}{', chose' if r.chose else ''}, "
+            f"sched {r.schedule * 1e6:.0f} us, {r.faults} faults, gc {r.gc_seconds * 1e3:.2f} ms, "
+            f"after a {phases[i - 1] if i else '-'} step"
             for i, r in ((i, records[i]) for i in worst)]
 
 

@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    *(["cuBLASLt us", "cuBLASLt %floor"] if args.cublaslt else []), "skinny us", "skinny %floor",
                    "config (bn x bk x split x warps x stages)", "winner", "cuBLAS/skinny"])
     entries: dict = {}
-    times = {name: bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries) for name, n, k in shapes(args)}
+    times = {name: bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries)
+             for name, n, k in shapes(args)}
     wins = sum(c.route != "cublas" for c in entries.values())
     if args.table_out is not None:
         dispatch.save_table(args.table_out, entries)
