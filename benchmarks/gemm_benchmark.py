@@ -163,12 +163,10 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], bw: float, dtype: to
 def cublaslt_us(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device, args: argparse.Namespace) -> float:
     """F.linear's time per call with cuBLASLt preferred (on the H200, run 266: the down projection at 32-64 rows
     88 % of its bytes against cuBLAS's 77-81 %, o at 32 rows 68 % against 57 %; the same from 128 rows)."""
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
+    from mtpserve.kernels.linear_dispatch import cublaslt
+
+    with cublaslt():
         return per_call_us(over_copies(lambda w: F.linear(x, w), ws, args.calls), device, args.warmup, args.iters)
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def layer_table(times: dict[str, dict[int, Times]], entries: dict, rows: list[int]) -> Table:

@@ -31,8 +31,7 @@ import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
 from common import Table  # noqa: E402
 
-from mtpserve.cluster.engine import LLMEngine  # noqa: E402
-from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
+import torch  # noqa: E402
 
 Cell = tuple[int, float, float]  # tokens, seconds, acceptance length
 
@@ -49,13 +48,11 @@ def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed:
     return ratio(list(range(n))), resampled[int(0.05 * draws)], resampled[int(0.95 * draws) - 1]
 
 
-def build_engines(args: argparse.Namespace, device: str, tmp: Path, ks: list[int | str], c: int) -> dict:
-    """An engine per variant, each with an equal share of the GPU's memory."""
-    model = workloads.resolve_model(args.model, args.tiny, tmp)
-    share = {"gpu_memory_utilization": 0.85 / len(ks)} if device.startswith("cuda") else {}
-    return {k: LLMEngine(EngineConfig(model=str(model), device=device, dtype=args.dtype, max_num_seqs=c,
-                                      seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens, **share))
-            for k in ks}
+def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks: list[int | str], c: int) -> dict:
+    """An engine per variant (spec_matrix's, with the matrix's engine flags), each with an equal share of the GPU's
+    memory."""
+    max_k = max((k for k in ks if k != spec_matrix.AUTO), default=0)
+    return {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
 
 
 def run_rounds(args: argparse.Namespace, engines: dict, prompts: list, c: int) -> dict[int | str, list[Cell]]:
@@ -103,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ks, tables, notes = common.parse_ks(args.ks), [], []
     with tempfile.TemporaryDirectory(prefix="mtpserve-interleaved-") as tmp:
         for c in common.parse_ints(args.concurrency):
-            engines = build_engines(args, str(device), Path(tmp), ks, c)
+            engines = build_engines(args, device, Path(tmp), ks, c)
             first = next(iter(engines.values()))
             prompts = spec_matrix.matrix_prompts(args, args.rounds * args.requests_per_cell,
                                                  first.model_config.vocab_size)

@@ -342,13 +342,17 @@ def _cell(run: workloads.Run, k: int | str, c: int, max_tokens: int) -> tuple[wo
                  percentile(tpot, 99), run.spec.acceptance_length]
 
 
-def build_engine(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int, max_k: int) -> LLMEngine:
-    """The in-process engine the matrix measures (one for every cell: same weights, same KV pool)."""
+def build_engine(args: argparse.Namespace, device: torch.device, tmp: Path, max_seqs: int, max_k: int,
+                 memory_share: float = 1.0) -> LLMEngine:
+    """The in-process engine the matrix measures (one for every cell: same weights, same KV pool); memory_share:
+    its part of the GPU's memory where several engines share it (interleaved.py)."""
     model = workloads.resolve_model(args.model, args.tiny, tmp)
     hold = {} if args.prefill_hold_steps is None else {"prefill_hold_steps": args.prefill_hold_steps}
     hold["capture_graphs_at_start"] = not args.no_capture_at_start
     if args.prefill_step_rows is not None:
         hold["prefill_step_rows"] = args.prefill_step_rows
+    if memory_share < 1.0:
+        hold["gpu_memory_utilization"] = EngineConfig.gpu_memory_utilization * memory_share
     engine = LLMEngine(EngineConfig(model=str(model), device=str(device), dtype=args.dtype, max_num_seqs=max_seqs,
                                     seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens,
                                     **hold))

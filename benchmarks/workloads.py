@@ -118,7 +118,10 @@ def resolve_model(model: str | None, tiny: bool, workdir: Path) -> Path:
 
 def tiny_code_checkpoint(path: Path, steps: int = 60) -> Path:
     """A tiny Qwen3 + 3 MTP modules with a byte-level BPE tokenizer, trained for seconds on stdlib
-    code through the training tool, so --tiny runs the same text path as the default model."""
+    code through the training tool, so --tiny runs the same text path as the default model. One already trained
+    at `path` (a second engine of the same run) is used again."""
+    if (path / "tokenizer.json").is_file():
+        return path
     from mtpserve.workers.models import train as T
     from mtpserve.workers.models.writer import save_checkpoint
 

@@ -71,10 +71,15 @@ class Choice:
 
     @property
     def route(self) -> str:
-        """'skinny', CUBLASLT or 'cublas': the faster of the first two where it beats cuBLAS by WIN_MARGIN."""
-        if min(self.skinny_us, self.cublaslt_us) >= WIN_MARGIN * self.cublas_us:
+        return self.route_among(cublaslt=True)
+
+    def route_among(self, cublaslt: bool) -> str:
+        """'skinny', CUBLASLT or 'cublas': the fastest where it beats cuBLAS by WIN_MARGIN (cuBLASLt only where
+        `cublaslt`)."""
+        lt = self.cublaslt_us if cublaslt else math.inf
+        if min(self.skinny_us, lt) >= WIN_MARGIN * self.cublas_us:
             return "cublas"
-        return "skinny" if self.skinny_us <= self.cublaslt_us else CUBLASLT
+        return "skinny" if self.skinny_us <= lt else CUBLASLT
 
     @property
     def skinny_wins(self) -> bool:
@@ -239,9 +244,7 @@ def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         return None
     if _mode == "on":
         return choice.config or None
-    route = choice.route
-    if route == CUBLASLT and not _cublaslt_allowed():
-        route = "skinny" if choice.skinny_us < WIN_MARGIN * choice.cublas_us else "cublas"
+    route = choice.route_among(cublaslt=_cublaslt_allowed())
     return choice.config if route == "skinny" else CUBLASLT if route == CUBLASLT else None
 
 
@@ -274,11 +277,11 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     ones = torch.ones(k, dtype=x.dtype, device=x.device)
     try:
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-        cublas = _replay_us(lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias), weights, reps)
-        lt = float("inf")
+        plain = lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias)  # noqa: E731
+        cublas, lt = _replay_us(plain, weights, reps), float("inf")
         if _cublaslt_allowed():
             with cublaslt():
-                lt = _replay_us(lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias), weights, reps)
+                lt = _replay_us(plain, weights, reps)
     except torch.cuda.OutOfMemoryError:
         warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
         return Choice((), float("inf"), 0.0)
