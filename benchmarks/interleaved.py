@@ -55,13 +55,25 @@ def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks:
     return {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
 
 
-def run_rounds(args: argparse.Namespace, engines: dict, prompts: list, c: int) -> dict[int | str, list[Cell]]:
+PROMPT_POOL = 600  # distinct prompts at most: the stdlib source holds about 650 held-out functions
+
+
+def round_prompts(args: argparse.Namespace, vocab: int) -> list[list]:
+    """Each round's prompts: distinct rounds while the pool lasts, then the same rounds again (every variant's
+    cell of a round still gets the same prompts)."""
+    n = args.requests_per_cell
+    distinct = max(1, min(args.rounds, PROMPT_POOL // n))
+    prompts = spec_matrix.matrix_prompts(args, distinct * n, vocab)
+    return [prompts[(r % distinct) * n:(r % distinct + 1) * n] for r in range(args.rounds)]
+
+
+def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int) -> dict[int | str, list[Cell]]:
     """Every round, one cell per variant on that round's prompts, in a balanced order; -> per variant its cells."""
     n = args.requests_per_cell
     cells: dict[int | str, list[Cell]] = {k: [] for k in engines}
-    for r in range(args.rounds):
+    for r, prompts in enumerate(rounds):
         for k in common.balanced_order(list(engines), r):
-            jobs = spec_matrix.matrix_jobs(args, prompts[r * n:(r + 1) * n], k, n, args.max_tokens)
+            jobs = spec_matrix.matrix_jobs(args, prompts, k, n, args.max_tokens)
             run = workloads.drive(engines[k], jobs, c, f"r{r}k{k}c{c}")
             cells[k].append((run.num_tokens, run.wall, run.spec.acceptance_length))
     return cells
@@ -102,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         for c in common.parse_ints(args.concurrency):
             engines = build_engines(args, device, Path(tmp), ks, c)
             first = next(iter(engines.values()))
-            prompts = spec_matrix.matrix_prompts(args, args.rounds * args.requests_per_cell,
-                                                 first.model_config.vocab_size)
+            rounds = round_prompts(args, first.model_config.vocab_size)
             for k, engine in engines.items():  # compiles, captures and fills the prefix cache before the clock runs
-                warm = spec_matrix.matrix_jobs(args, prompts, k, args.requests_per_cell, args.max_tokens)
+                warm = spec_matrix.matrix_jobs(args, rounds[0], k, args.requests_per_cell, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
             notes.append(f"c={c}: {spec_matrix.pin_driver(args, device)}")
-            tables.append(table_for(run_rounds(args, engines, prompts, c), c))
+            tables.append(table_for(run_rounds(args, engines, rounds, c), c))
             for engine in engines.values():
                 engine.shutdown()
     notes.append(f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.workload} prompts, "

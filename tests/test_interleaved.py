@@ -33,3 +33,10 @@ def test_a_tiny_run_reports_every_variant_against_auto(capsys: pytest.CaptureFix
     assert [r[0] for r in rows] == ["MTP1", "MTPauto"]
     assert all(r[2] == "2" and int(r[3]) == 2 * 16 for r in rows), rows  # two cells of one 16-token request each
     assert float(rows[0][6]) > 0 and rows[1][6] == "-"
+
+
+def test_rounds_past_the_prompt_pool_reuse_its_rounds() -> None:
+    args = interleaved.parse_args(["--tiny", "--workload", "random", "--rounds", "5", "--requests-per-cell", "256"])
+    rounds = interleaved.round_prompts(args, vocab=100)
+    assert len(rounds) == 5 and all(len(r) == 256 for r in rounds)
+    assert rounds[0] != rounds[1] and rounds[2] == rounds[0] and rounds[3] == rounds[1]  # 600 // 256 = 2 distinct
