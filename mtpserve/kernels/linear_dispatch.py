@@ -1,18 +1,17 @@
 """Which GEMM runs a linear layer's product: F.linear (cuBLAS, or cuBLASLt) or skinny_gemm, chosen per measured
 shape.
 
-  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm (or, with MTPSERVE_CUBLASLT=on, F.linear with cuBLASLt
-                             preferred) where it was measured faster than plain F.linear for this device,
+  MTPSERVE_SKINNY_GEMM=auto  (default) skinny_gemm or F.linear with cuBLASLt preferred, whichever was measured
+                             fastest, where it beat plain F.linear (cuBLAS) for this device,
                              dtype, M bucket, N and K;
                              a shape missing from the table is measured the first time it runs outside a
                              CUDA-graph capture, and cuBLAS takes it meanwhile
   MTPSERVE_SKINNY_GEMM=off   every product is F.linear
   MTPSERVE_SKINNY_GEMM=on    skinny_gemm for every eligible call, with its best measured config (A/B runs);
                              a shape first seen inside a capture still goes to cuBLAS (nothing compiled)
-  MTPSERVE_CUBLASLT=on       also measure F.linear with cuBLASLt preferred, and take it where it is fastest
-                             (default off until an engine run on a GPU has checked it: so far only
-                             gemm_benchmark.py --cublaslt has timed it; for A/B runs also set
-                             MTPSERVE_SKINNY_CACHE empty, since a cache keeps what was measured without it)
+  MTPSERVE_CUBLASLT=on       (default) also measure F.linear with cuBLASLt preferred, and take it where it is
+                             fastest; off: cuBLAS and skinny_gemm only (for A/B runs also set
+                             MTPSERVE_SKINNY_CACHE empty, since a cache keeps what was measured before)
   MTPSERVE_SKINNY_TABLE=path a JSON table written by benchmarks/gemm_benchmark.py (--table-out), loaded
                              at import; entries of another device are ignored
   MTPSERVE_SKINNY_CACHE=path where measured choices persist between starts (default
@@ -53,7 +52,7 @@ ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise stays with cuBLAS
 # Bump when skinny_gemm or the measurement changes what a stored choice means: caches of another revision
 # (or another torch or triton) are ignored.
-CACHE_REVISION = 4
+CACHE_REVISION = 5  # 5: cuBLASLt measured by default (a revision-4 cache holds no cuBLASLt times)
 CUBLASLT = "cublaslt"  # the route of a product that F.linear runs with cuBLASLt preferred
 
 
@@ -66,7 +65,9 @@ class Choice:
     cublas_us: float
     # F.linear with cuBLASLt preferred (inf: not measured). Its heuristics pick other kernels at 32-64 rows: on
     # the H200 the down projection ran at 88-90 % of its bytes there against cuBLAS's 78-85 % and the skinny
-    # kernel's 85-89 %, gate/up at 64 rows 58.3 us against 60.5 and 62.2 (run 272).
+    # kernel's 85-89 %, gate/up at 64 rows 58.3 us against 60.5 and 62.2 (run 272). In the engine's measurement it
+    # also took down and eh_proj at 128 rows (36.9 / 24.3 us against cuBLAS's 40.3 / 26.3), and the 4-token window
+    # at batch 32 ran 8.39-8.47 ms against 8.73-8.75 (step_benchmark A/B, run 273).
     cublaslt_us: float = float("inf")
 
     @property
@@ -249,7 +250,7 @@ def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def _cublaslt_allowed() -> bool:
-    return os.environ.get("MTPSERVE_CUBLASLT", "off") == "on"
+    return os.environ.get("MTPSERVE_CUBLASLT", "on") != "off"
 
 
 def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, reps: int = 5) -> Choice:
