@@ -21,8 +21,9 @@ kept apart because they behave differently:
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
-from itertools import islice
+from bisect import bisect_right
+from collections import deque
+from itertools import accumulate, islice
 from typing import Sequence
 
 import numpy as np
@@ -112,6 +113,7 @@ class StepCosts:
         self.k_seen = [[0] * (max_k + 1) for _ in range(nb)]  # per (bucket, k): host_samples at its last sample
         # (greedy, bucket, k) that ran only laps where the device idled: timed, though the device's cell has no sample
         self._idle_timed: set[tuple[bool, int, int]] = set()
+        self._prepared: tuple | None = None  # (batch, greedy, host samples then, parts): see prepare
 
     def bucket(self, batch: int) -> int:
         return self._bucket_of[min(batch, len(self._bucket_of) - 1)]
@@ -165,20 +167,44 @@ class StepCosts:
         b = self.bucket(batch)
         return self.modes[greedy].timed(b, k) or (greedy, b, k) in self._idle_timed
 
-    def costs(self, batch: int, tokens: np.ndarray | None = None, greedy: bool = True) -> np.ndarray:
+    def costs(self, batch: int, tokens: np.ndarray | None = None, greedy: bool = True, refit: bool = True
+              ) -> np.ndarray:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
-        (None: the host's share as it is now at every k; a unitless prior before any timing)."""
-        device = self._device(batch, greedy)
+        (None: the host's share as it is now at every k; a unitless prior before any timing). refit=False: the
+        host line as last fitted, even where a refit is due (newcomers' choices, whose prefill step runs alone)."""
+        device, fit, gaps = self._parts(batch, greedy, refit)
         if tokens is None:
-            host, spread = [self.host_line(batch)[2]] * len(device), [1.0]
+            host, spread = [fit[3]] * len(device), [1.0]
         else:
-            fit = self._host_fit(batch)
             host, spread = self._host(batch, fit, tokens), fit[4]
         if self.overlapped:  # a lap lasts the longer of the two: its mean, over the host's recent speeds
-            return np.array([sum(max(h * q, d + g) for q in spread) / len(spread)
-                             for h, d, g in zip(host, device, self._gaps(batch))])
+            return np.array(_means_of_max(host, [d + g for d, g in zip(device, gaps)], spread))
         mean_spread = sum(spread) / len(spread)
         return np.array([h * mean_spread + d for h, d in zip(host, device)])
+
+    def refit(self, batch: int) -> None:
+        """Fit the host line of this batch's bucket again where that is due (see _host_fit): a step ahead of a full
+        choice (AdaptiveSpec._prepare), whose own step then does not pay for it."""
+        b = self._sampled_bucket(batch)
+        if b is not None:
+            self._refit(b)
+
+    def prepare(self, batch: int, greedy: bool = True) -> None:
+        """Take what costs() reads for this batch and mode (the device's row, the host line as it is now, the
+        gaps) a step ahead of a full choice: the choice's costs() uses them once, if the bucket has taken at
+        most one sample since (the step in flight's)."""
+        self._prepared = (batch, greedy, self.host_samples[self.bucket(batch)], self._fresh_parts(batch, greedy))
+
+    def _parts(self, batch: int, greedy: bool, refit: bool = True) -> tuple[list[float], tuple, list[float]]:
+        """(device row, host fit, gaps) for costs(): those prepare() took, where they still hold, else new."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[:2] == (batch, greedy) \
+                and self.host_samples[self.bucket(batch)] - prepared[2] <= 1:
+            return prepared[3]
+        return self._fresh_parts(batch, greedy, refit)
+
+    def _fresh_parts(self, batch: int, greedy: bool, refit: bool = True) -> tuple[list[float], tuple, list[float]]:
+        return self._device(batch, greedy), self._host_fit(batch, refit), self._gaps(batch)
 
     def device(self, batch: int, greedy: bool = True) -> np.ndarray:
         """[K + 1] device seconds of a step at each k (estimated where not measured)."""
@@ -242,7 +268,7 @@ class StepCosts:
         m = self.modules
         return [per_draft * min(k, m) + recursion * max(k - m, 0) for k in range(self.max_k + 1)]
 
-    def _host_fit(self, batch: int) -> tuple[float, float, list[float], float, list[float]]:
+    def _host_fit(self, batch: int, refit: bool = True) -> tuple[float, float, list[float], float, list[float]]:
         """(a, b, price, median, spread): seconds = a + b * tokens + batch * price[k], price[k] = c * k (c past the
         modules where drawn there: see host_recursion_slopes). The line is drawn per request
         (host / batch against tokens / batch and k): within one bucket a draining batch moves host and tokens
@@ -268,7 +294,7 @@ class StepCosts:
         b = self._sampled_bucket(batch)
         if b is None:
             return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0, [1.0]
-        newest = self._refit(b)
+        newest = self._refit(b) if refit else self._newest(b)
         (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
         price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
         speeds = _speeds(newest, base, slope, price)
@@ -279,14 +305,17 @@ class StepCosts:
 
     def _refit(self, b: int) -> list[tuple[float, float, int]]:
         """Bucket b's newest samples (per request), its line fitted again first where that is due (see _host_fit)."""
-        count = self.host_samples[b]
-        newest = list(islice(reversed(self.host_recent[b]), self.window))
+        count, newest = self.host_samples[b], self._newest(b)
         if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
             slope, per_draft, recursion = self._slopes[b] = self._fit_slopes(b, newest)
             price = self._draft_price(per_draft, recursion)
             self._bases[b] = max(lower_median([s - slope * e - price[k] for s, e, k in self.host_recent[b]]), 0.0)
             self._fitted_at[b] = count
         return newest
+
+    def _newest(self, b: int) -> list[tuple[float, float, int]]:
+        """Bucket b's newest `window` samples (per request: host seconds, tokens, k), the newest first."""
+        return list(islice(reversed(self.host_recent[b]), self.window))
 
     def _sampled_bucket(self, batch: int) -> int | None:
         """This batch's bucket, or where it has no host sample the nearest one that has (None: none has)."""
@@ -351,6 +380,18 @@ class StepCosts:
             self.host_recursion_slopes[b] = lower_median(draws)
 
 
+def _means_of_max(host: list[float], floors: list[float], spread: list[float]) -> list[float]:
+    """Per k, the mean over the host's recent speeds q (spread) of max(host[k] * q, floors[k]): the speeds in order
+    and their tail sums once, then a bisection per k (a full choice runs on the host's critical path)."""
+    ordered, n = sorted(spread), len(spread)
+    tails = list(accumulate(reversed(ordered), initial=0.0))[::-1]  # tails[i]: the sum of ordered[i:]
+    means = []
+    for h, floor in zip(host, floors):
+        i = bisect_right(ordered, floor / h) if h > 0 else n  # speeds at which the host's share is the shorter
+        means.append((floor * i + h * tails[i]) / n)
+    return means
+
+
 def _speeds(newest: list[tuple[float, float, int]], base: float, slope: float, price: list[float]) -> list[float]:
     """Per sample (per request: host seconds, tokens, k), its host share over what the line (base + slope * tokens
     + price[k]) gives: the host's speed then, relative to the line's window. A slower host is slower at every
@@ -370,13 +411,22 @@ def _host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float
     at k = 0 for a whole round, run 74), 0 where the fit slopes down. Plain Python, as all the host line's fits:
     a window holds at most HOST_WINDOW samples."""
     kept = [(x, y) for x, y in zip(tokens, seconds) if y <= 2.0 * median]
-    if len(kept) < 8:
+    n = len(kept)
+    if n < 8:
         return None
-    mean_x, mean_y = sum(x for x, _ in kept) / len(kept), sum(y for _, y in kept) / len(kept)
-    xx = sum((x - mean_x) ** 2 for x, _ in kept)
-    if math.sqrt(xx / len(kept)) < 0.05 * max(mean_x, 1e-9):
+    sx = sy = 0.0  # plain loops, not generator sums: a refit runs on the host's critical path (see prepare)
+    for x, y in kept:
+        sx += x
+        sy += y
+    mean_x, mean_y = sx / n, sy / n
+    xx = xy = 0.0
+    for x, y in kept:
+        dx = x - mean_x
+        xx += dx * dx
+        xy += dx * (y - mean_y)
+    if math.sqrt(xx / n) < 0.05 * max(mean_x, 1e-9):
         return None
-    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in kept) / xx, 0.0)
+    slope = max(xy / xx, 0.0)
     return None if mean_y - slope * mean_x < 0 else slope
 
 
@@ -388,16 +438,17 @@ def _host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence
     the slope kept from before), 0 where the fit slopes down; both None where the line would cross zero
     before zero tokens and drafts (the host sped up or slowed down between the k's in the window)."""
     samples = [(x, y, k) for x, y, k in zip(tokens, seconds, ks) if y <= 2.0 * median]
-    count, sum_x, sum_y = Counter(), Counter(), Counter()
+    width = max(ks, default=0) + 1  # k's index plain lists: Counters made most of a refit's time
+    count, sum_x, sum_y = [0] * width, [0.0] * width, [0.0] * width
     for x, y, k in samples:
         count[k] += 1
         sum_x[k] += x
         sum_y[k] += y
-    if sum(n >= 4 for n in count.values()) < 2:
+    if sum(n >= 4 for n in count) < 2:
         return _host_slope(seconds, tokens, median), None
     # Within each k, tokens vary with acceptance alone: their slope there is the tokens' own price.
     inside = [(x - sum_x[k] / count[k], y - sum_y[k] / count[k]) for x, y, k in samples]
-    xx, mean_x = sum(x * x for x, _ in inside), sum(sum_x.values()) / len(samples)
+    xx, mean_x = sum(x * x for x, _ in inside), sum(sum_x) / len(samples)
     b = max(sum(x * y for x, y in inside) / xx, 0.0) if xx >= len(samples) * (0.05 * max(mean_x, 1e-9)) ** 2 else kept
     rest = [(y - b * x, k) for x, y, k in samples]
     mean_rest, mean_k = sum(r for r, _ in rest) / len(rest), sum(k for _, k in rest) / len(rest)

@@ -23,7 +23,7 @@ def test_full_choices_are_paced_by_the_dwell_even_when_k_holds(monkeypatch: pyte
         spec.costs.seed(4, k, 1.0 + 0.1 * k)  # every k timed: no exploration
     folds = []
     fold = AcceptanceTable.fold
-    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
+    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r, **kw: (folds.append(1), fold(self, r, **kw))[1])
     assert {spec.choose(rows) for _ in range(64)} == {K}
     assert len(folds) == 64 // 8
 
@@ -181,7 +181,7 @@ def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypat
     spec.acceptance.set(row, np.full((K, 1), 0.9))
     folds = []
     fold = AcceptanceTable.fold
-    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r: (folds.append(1), fold(self, r))[1])
+    monkeypatch.setattr(AcceptanceTable, "fold", lambda self, r, **kw: (folds.append(1), fold(self, r, **kw))[1])
     assert [spec.choose(row) for _ in range(20)] == [K] * 20 and len(folds) == 1 and spec.dwell == 64
     assert spec.choose(row, batch=2) == 0 and len(folds) == 2  # a request waits to join: chosen for two
     assert spec.choose(row) == K and len(folds) == 2  # back at one: its choice holds, no full choice
