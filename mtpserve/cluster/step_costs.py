@@ -251,6 +251,17 @@ class StepCosts:
         b = self.bucket(batch)
         return self.host_samples[b] - max((n for j, n in enumerate(self.k_seen[b]) if j != k), default=0)
 
+    def draft_price_moot(self, batch: int, k: int, greedy: bool = True) -> bool:
+        """Whether the host's price of a draft can move neither k's cost nor k - 1's in this batch's bucket: each of
+        k's last K_LAPS overlapped laps was device-bound, and the host's share of them (their median) stays under
+        the device's share at k - 1, which fewer drafts and tokens on the host cannot then exceed."""
+        b = self.bucket(batch)
+        laps = self.k_laps[b][k]
+        if k < 1 or len(laps) < self.K_LAPS or not all(laps):
+            return False
+        hosts = [s for s, _, j in self.host_recent[b] if j == k]
+        return bool(hosts) and plain_median(hosts) * max(batch, 1) < self._device(batch, greedy)[k - 1]
+
     def knows_recursion(self, batch: int) -> bool:
         """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
         return self.host_recursion_slopes[self.bucket(batch)] is not None

@@ -445,3 +445,54 @@ def test_a_slower_host_scales_every_part_of_the_line() -> None:
         costs.observe(8, 4, 1e-4, host=host(4, tokens, 2.0), overlapped=True, tokens=tokens)
     emitted = np.array([8.0, 13, 17, 19, 20])
     np.testing.assert_allclose(costs.host(8, emitted), [host(k, t, 2.0) for k, t in enumerate(emitted)], rtol=0.02)
+
+
+def test_the_overlapped_row_is_the_mean_of_the_longer_share_over_the_hosts_speeds() -> None:
+    """_means_of_max (a bisection over the speeds in order) against the plain mean of max(host * q, floor)."""
+    from mtpserve.cluster.step_costs import _means_of_max
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        spread = rng.uniform(0.5, 2.0, size=int(rng.integers(1, 17))).tolist()
+        host, floors = rng.uniform(0.0, 2.0, size=K + 1).tolist(), rng.uniform(0.0, 2.0, size=K + 1).tolist()
+        host[0] = 0.0  # a host share clamped at zero: the floor alone
+        want = [sum(max(h * q, f) for q in spread) / len(spread) for h, f in zip(host, floors)]
+        assert _means_of_max(host, floors, spread) == pytest.approx(want, rel=1e-12)
+
+
+def _overlapped(costs: StepCosts, batch: int, k: int, host: float, device: float, n: int) -> None:
+    for _ in range(n):
+        costs.observe(batch, k, device, host=host, overlapped=True, tokens=batch * (1.0 + k), lap=max(host, device))
+
+
+def test_prepared_parts_serve_one_choice_and_only_while_fresh() -> None:
+    costs = StepCosts(K, 8)
+    _overlapped(costs, 1, 4, host=250e-6, device=330e-6, n=40)
+    tokens = [1.0, 1.9, 2.7, 3.4, 4.1]
+    fresh = costs.costs(1, tokens)
+    costs.prepare(1)
+    _overlapped(costs, 1, 4, host=250e-6, device=330e-6, n=1)  # the step in flight's sample
+    np.testing.assert_allclose(costs.costs(1, tokens), fresh, rtol=1e-9)
+    assert costs._prepared is None  # used once
+    costs.prepare(1)
+    _overlapped(costs, 1, 4, host=900e-6, device=330e-6, n=2)  # two samples on: taken anew, with the slow ones
+    anew = costs.costs(1, tokens)
+    assert anew[4] > fresh[4]
+    np.testing.assert_allclose(costs.costs(1, tokens), anew, rtol=1e-12)
+
+
+def test_a_draft_price_is_moot_where_the_host_waits_for_the_device_at_k_and_k_minus_1() -> None:
+    costs = StepCosts(K, 8)
+    for k in range(K + 1):
+        costs.seed(1, k, 1e-6 * (290 + 10 * k))
+    _overlapped(costs, 1, 4, host=250e-6, device=330e-6, n=StepCosts.K_LAPS - 1)
+    assert not costs.draft_price_moot(1, 4)  # too few laps to tell
+    _overlapped(costs, 1, 4, host=250e-6, device=330e-6, n=1)
+    assert costs.draft_price_moot(1, 4)  # device-bound, and 0.25 ms of host under k = 3's 0.32 ms of device
+    _overlapped(costs, 1, 4, host=318e-6, device=330e-6, n=1)  # one lap where the host hardly waited
+    assert not costs.draft_price_moot(1, 4)
+    fast = StepCosts(K, 8)
+    for k in range(K + 1):
+        fast.seed(1, k, 1e-6 * (60 + 60 * k))  # k = 3's device share 0.24 ms: its step would wait for the host
+    _overlapped(fast, 1, 4, host=250e-6, device=300e-6, n=StepCosts.K_LAPS)
+    assert not fast.draft_price_moot(1, 4)
