@@ -56,6 +56,9 @@ class _Step:
 
 
 class LLMEngine:
+    # A lap whose chooser work (AdaptiveSpec.take_spent) exceeds this share of it teaches the step costs nothing.
+    CHOOSER_SHARE = 0.02
+
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.resolved = ResolvedConfig.resolve(config)
         r = self.resolved
@@ -250,11 +253,18 @@ class LLMEngine:
         captures, self._captures_seen = self._captures_seen, getattr(self.executor, "num_captures", 0)
         if captures != self._captures_seen:
             seconds = None
-        if self.adaptive is None or not plan.req_ids:
+        if self.adaptive is None:
+            return
+        chooser = self.adaptive.take_spent()  # the chooser's own host time in this lap (see take_spent)
+        if not plan.req_ids:
             return
         stats.acceptance_estimate = self.adaptive.estimates()
         stats.spec_k = self.scheduler.step_k if self.adaptive.active else None  # None: no "auto" request ran
-        if seconds is not None and steady and max(plan.num_drafts, default=0) == k:
+        # A lap in which the chooser worked for more than CHOOSER_SHARE of it is not learned from: that time costs
+        # every k alike, is paced by the dwell, and in the laps that carried it it widened the host's spread of
+        # speeds (see AdaptiveSpec.take_spent).
+        if seconds is not None and steady and max(plan.num_drafts, default=0) == k \
+                and chooser <= self.CHOOSER_SHARE * seconds:
             overlapped = self._async and result.device_seconds > 0
             device = result.device_seconds if overlapped else inside + waited
             host = seconds - (result.blocked_seconds if overlapped else inside + waited)

@@ -135,6 +135,7 @@ class AdaptiveSpec:
         self._newcomers_of: dict[int, tuple[int, int]] = {}  # per bucket, the last newcomers' choice: (k, step)
         self._flushed_ahead = False  # the observations were folded a few steps before the due choice (_prepare)
         self._prepared_seconds = 0.0  # host seconds the due choice's work took in the steps before it
+        self._spent = 0.0  # host seconds of choices and their preparation since the engine last took them
 
     @property
     def _modules(self) -> int:
@@ -222,10 +223,12 @@ class AdaptiveSpec:
             # So does a new k: it is checked again soon. A k that holds then holds for as long as its choice's
             # cost allows: doubled from min_dwell instead, a c = 8 cell made 13-20 full choices of about 1.1 ms
             # each on the H100's host, each in a step of 0.5 ms (runs 167-168, T = 1).
+            spent = time.perf_counter() - t0
+            self._spent += spent
             if changed or self._probed_from >= 0:
                 self.dwell = self.config.min_dwell
             else:
-                self.dwell = self._dwell(time.perf_counter() - t0 + self._prepared_seconds, float(costs[k]))
+                self.dwell = self._dwell(spent + self._prepared_seconds, float(costs[k]))
             self._prepared_seconds = 0.0
             self._remember()
         elif self.dwell - self._held <= 3:
@@ -248,7 +251,18 @@ class AdaptiveSpec:
             self.costs.refit(batch)
         elif due_in == 1:
             self.costs.prepare(batch, self.greedy)
-        self._prepared_seconds += time.perf_counter() - t0  # the choice's cost, which paces the dwell
+        spent = time.perf_counter() - t0
+        self._prepared_seconds += spent  # the choice's cost, which paces the dwell
+        self._spent += spent
+
+    def take_spent(self) -> float:
+        """Host seconds the chooser's choices (and their preparation) took since the last call. The engine learns
+        no step cost from a lap that carried any: they cost every k alike and are paced by the dwell, and kept,
+        those laps widened the host's spread of speeds (StepCosts._host_fit), which lifts the price of a k whose
+        host is about as slow as its device more than the others'. At T = 1, c = 8 on the H200 the choices priced
+        host-bound k = 2 at 0.53-0.71 ms where its steps took 0.49, and auto ran k = 3, 15 % slower (run 279)."""
+        spent, self._spent = self._spent, 0.0
+        return spent
 
     def _for_newcomers(self, batch: int, bucket: int) -> int:
         """The k for newcomers to an empty batch: the bucket's last choice for newcomers while it is under
@@ -260,7 +274,9 @@ class AdaptiveSpec:
         position that is due (see _probe_newcomers) is taken here, where it is free."""
         made = self._newcomers_of.get(bucket)
         if made is None or self.acceptance.now - made[1] >= self.config.max_dwell:
+            t0 = time.perf_counter()
             k = self._choose_for_newcomers(batch)
+            self._spent += time.perf_counter() - t0
         else:
             k = made[0]
         probe = self._probe_newcomers(k)
