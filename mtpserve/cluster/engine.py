@@ -261,8 +261,7 @@ class LLMEngine:
         stats.acceptance_estimate = self.adaptive.estimates()
         stats.spec_k = self.scheduler.step_k if self.adaptive.active else None  # None: no "auto" request ran
         # A lap in which the chooser worked for more than CHOOSER_SHARE of it is not learned from: that time costs
-        # every k alike, is paced by the dwell, and in the laps that carried it it widened the host's spread of
-        # speeds (see AdaptiveSpec.take_spent).
+        # every k alike, is paced by the dwell, and would widen the host's spread of speeds (AdaptiveSpec.take_spent).
         if seconds is not None and steady and max(plan.num_drafts, default=0) == k \
                 and chooser <= self.CHOOSER_SHARE * seconds:
             overlapped = self._async and result.device_seconds > 0

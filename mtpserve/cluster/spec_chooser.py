@@ -257,10 +257,11 @@ class AdaptiveSpec:
 
     def take_spent(self) -> float:
         """Host seconds the chooser's choices (and their preparation) took since the last call. The engine learns
-        no step cost from a lap that carried any: they cost every k alike and are paced by the dwell, and kept,
-        those laps widened the host's spread of speeds (StepCosts._host_fit), which lifts the price of a k whose
-        host is about as slow as its device more than the others'. At T = 1, c = 8 on the H200 the choices priced
-        host-bound k = 2 at 0.53-0.71 ms where its steps took 0.49, and auto ran k = 3, 15 % slower (run 279)."""
+        no step cost from a lap that carried much of it: it costs every k alike and is paced by the dwell, while
+        kept in a few laps' host shares it widens the host's spread of speeds (StepCosts._host_fit), which lifts
+        the price of a k whose host is about as slow as its device more than the others'. At T = 1, c = 8 on the
+        H200 the choices priced host-bound k = 2 at 0.53-0.71 ms where its steps took 0.49, and auto ran k = 3,
+        15 % slower (run 279); how much of that this accounts for has not been measured."""
         spent, self._spent = self._spent, 0.0
         return spent
 
