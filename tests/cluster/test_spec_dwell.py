@@ -375,15 +375,23 @@ def test_a_k_past_the_modules_probes_k_minus_1_and_learns_what_a_draft_costs_the
     assert _host_bound_run(modules=K)[-200:] == [K] * 200  # no probe: the draft term stays unknown
 
 
+def _accepting_spec(adaptive: list[bool], device_us: float) -> tuple[AdaptiveSpec, np.ndarray]:
+    """A chooser (3 modules, max_k 4) over requests accepting every draft at 0.95, adaptive or at a fixed k = 4,
+    each k seeded at device_us + 10 k us for their batch."""
+    n = len(adaptive)
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=n, min_dwell=8, max_dwell=64, modules=3))
+    rows = np.array([spec.admit(K, a) for a in adaptive])
+    spec.acceptance.set(rows, np.full((K, n), 0.95))
+    for k in range(K + 1):
+        spec.costs.seed(n, k, 1e-6 * (device_us + 10 * k))
+    return spec, rows
+
+
 def _probe_steps(fixed: int, timed_at_chosen_k: bool, steps: int = 600) -> list[int]:
     """The steps whose k auto probed below 4 (3 modules), 8 requests accepting every draft at 0.95, of them
     `fixed` at a fixed k = 4; each step's host sample is recorded at the k the step ran (max of auto's and the
     fixed requests'), or, with timed_at_chosen_k False, always at 4 (as if every probe's steps went untimed)."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, modules=3))
-    rows = np.array([spec.admit(K, i >= fixed) for i in range(8)])
-    spec.acceptance.set(rows, np.full((K, 8), 0.95))
-    for k in range(K + 1):
-        spec.costs.seed(8, k, 1e-6 * (100 + 10 * k))
+    spec, rows = _accepting_spec([i >= fixed for i in range(8)], device_us=100.0)
     probes = []
     for step in range(steps):
         k = spec.choose(rows)
@@ -411,11 +419,7 @@ def test_probes_that_gather_no_sample_are_spaced_by_a_host_window() -> None:
 def _overlapped_run(host: float, steps: int = 600) -> list[int]:
     """One request accepting every draft at 0.95, k = 4 past its 3 modules, overlapped steps whose device takes
     (290 + 10 k) us and whose host takes `host` seconds; -> the k of every step."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, min_dwell=8, max_dwell=64, modules=3))
-    rows = np.array([spec.admit(K, True)])
-    spec.acceptance.set(rows, np.full((K, 1), 0.95))
-    for k in range(K + 1):
-        spec.costs.seed(1, k, 1e-6 * (290 + 10 * k))
+    spec, rows = _accepting_spec([True], device_us=290.0)
     ks = []
     for _ in range(steps):
         k = spec.choose(rows)
