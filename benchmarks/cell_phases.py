@@ -226,6 +226,21 @@ class OutcomeTracer:
                 + ", counted " + " ".join(f"{token_counts.counted_tokens(outcomes, k):.2f}" for k in ks))
 
 
+def cost_parts(engine: LLMEngine, tokens: list[float]) -> str:
+    """What a choice's cost row is made of at the batch it priced (StepCosts.costs): the host's share per k, the
+    device's plus the gap, and the host's recent speeds over the speed now (min / median / 75th / max), whose
+    spread lifts a k whose host is about as slow as its device."""
+    adaptive = engine.adaptive
+    costs, batch = adaptive.costs, max(adaptive._batch, 1)
+    fit = costs._host_fit(batch, refit=False)
+    host = costs._host(batch, fit, tokens)
+    floors = [d + g for d, g in zip(costs.device(batch, adaptive.greedy).tolist(), costs.gaps(batch).tolist())]
+    q = sorted(fit[4])
+    speeds = [q[0], q[len(q) // 2], q[(3 * len(q)) // 4], q[-1]]
+    return (f"host ms {[round(h * 1e3, 3) for h in host]}, device + gap ms {[round(f * 1e3, 3) for f in floors]}, "
+            f"speeds {[round(v, 2) for v in speeds]}")
+
+
 class ChoiceTracer:
     """Every k adaptive speculation chooses (spec_chooser.choose_k, wrapped in place): the step, what it priced
     each k at and the tokens it expected, and the k it kept or took (before AdaptiveSpec explores k - 1 or
@@ -234,6 +249,7 @@ class ChoiceTracer:
     def __init__(self, engine: LLMEngine) -> None:
         self.lines: list[str] = []
         scheduler, choose = engine.scheduler, spec_chooser.choose_k
+        self.choose = choose  # the function it wraps
 
         def traced(gains: list[float], base: float, floor: int, cost: Any, current: int,
                    hysteresis: float = 0.0) -> int:
@@ -243,7 +259,7 @@ class ChoiceTracer:
             rates = [round(t / c, 1) for t, c in zip(tokens, ms)]
             self.lines.append(f"step {scheduler.num_steps}: batch {len(scheduler.running)}+{len(scheduler.waiting)}, "
                               f"k {current} -> {k}; cost ms {[round(c, 3) for c in ms]}, tokens "
-                              f"{[round(t, 1) for t in tokens]}, tok/ms {rates}")
+                              f"{[round(t, 1) for t in tokens]}, tok/ms {rates}; {cost_parts(engine, tokens)}")
             return k
 
         spec_chooser.choose_k = traced

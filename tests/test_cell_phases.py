@@ -122,3 +122,30 @@ def test_the_outcome_tracer_draws_each_ks_tokens_from_the_cells_steps(trained_ck
     line = outcomes.take(3)
     assert line.startswith(f"k = 1..3: product {token_counts.product_tokens(steps, 1):.2f} {own:.2f} nan, counted ")
     assert line.endswith(f" {own:.2f} nan") and outcomes.outcomes == []
+
+
+def test_a_traced_choice_shows_what_its_cost_row_is_made_of(trained_ckpt: Path) -> None:
+    """Each traced choice prints its host share, device share and the host's speeds beside the row: on the CPU's
+    serial steps a k costs its device share plus its host share at the mean speed (speeds capped at 2)."""
+    import ast
+    import re
+
+    engine = LLMEngine(EngineConfig(model=str(trained_ckpt), device="cpu", dtype="float32", max_num_seqs=2))
+    choices = cell_phases.ChoiceTracer(engine)
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                            num_speculative_tokens="auto"))
+            for p in prompts_of(64, [6, 7, 8, 9], seed=4)]
+    try:
+        workloads.drive(engine, jobs, 2, "cell")
+    finally:
+        cell_phases.spec_chooser.choose_k = choices.choose  # the tracer wraps the module's function in place
+    lines = choices.take()
+    assert lines
+    for line in lines:
+        lists = {name: ast.literal_eval(value) for name, value in
+                 re.findall(r"(cost ms|host ms|device \+ gap ms|speeds) (\[[^\]]*\])", line)}
+        assert set(lists) == {"cost ms", "host ms", "device + gap ms", "speeds"}, line
+        low, *_, high = lists["speeds"]
+        assert 0 < low <= high <= 2.0
+        for cost, host, floor in zip(lists["cost ms"], lists["host ms"], lists["device + gap ms"]):
+            assert floor + low * host - 2e-3 <= cost <= floor + high * host + 2e-3, line
