@@ -133,7 +133,7 @@ class AdaptiveSpec:
         self._held_of: dict[int, _Held] = {}
         self._probed_down_at: dict[int, int] = {}  # per bucket, the step of its last probe below k
         self._newcomers_of: dict[int, tuple[int, int]] = {}  # per bucket, the last newcomers' choice: (k, step)
-        self._flushed_ahead = False  # the observations were folded a few steps before the due choice (_prepare)
+        self._flushed_at = -(10**9)  # the step whose _prepare folded the observations ahead of a due choice (never)
         self._prepared_seconds = 0.0  # host seconds the due choice's work took in the steps before it
         self._spent = 0.0  # host seconds of choices and their preparation since the engine last took them
 
@@ -202,8 +202,9 @@ class AdaptiveSpec:
         if self._held >= self.dwell or (moved and (self._held >= self.config.min_dwell or moved >= 2)):
             self._bucket = bucket
             t0 = time.perf_counter()
-            gains, base, floor = t.fold(rows, flush=not self._flushed_ahead)
-            self._flushed_ahead = False
+            # Folded at most three steps ago by _prepare: those estimates (a choice taken early or late, when the
+            # batch moved buckets, folds now).
+            gains, base, floor = t.fold(rows, flush=t.now - self._flushed_at > 3)
             scale = batch / rows.size  # priced as many tokens per request as the running rows emit
             costs = self.costs.costs(batch, [t * scale for t in accumulate(gains, initial=base)], self.greedy)
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
@@ -246,7 +247,7 @@ class AdaptiveSpec:
         t0 = time.perf_counter()
         if due_in == 3:
             self.acceptance.flush()
-            self._flushed_ahead = True
+            self._flushed_at = self.acceptance.now
         elif due_in == 2:
             self.costs.refit(batch)
         elif due_in == 1:

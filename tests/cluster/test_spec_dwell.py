@@ -462,3 +462,19 @@ def test_a_full_choice_folds_and_fits_in_the_steps_before_it(monkeypatch: pytest
     assert len(chose) >= 20 and all(work == () for work in chose)
     assert sum(work == ("flush",) for _, work in steps) >= len(chose)  # each choice's fold, three steps before
     assert any(work == ("fit",) for _, work in steps)  # refits where due, two steps before
+
+
+def test_a_choice_long_after_the_early_fold_folds_what_came_since() -> None:
+    """The fold three steps ahead of a due choice stands in for the choice's own only while it is that recent: a
+    choice that came later (the batch moved buckets and took up a longer dwell there) folds anew."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, min_dwell=8))
+    rows = np.array([spec.admit(K, True)])
+    spec.choose(rows)  # the first call chooses at once
+    for folded_ago, left in ((10, 0), (0, 3)):  # the early fold 10 steps back: folded anew; just now: not
+        for _ in range(3):
+            spec.acceptance.observe(rows, np.array([K]), np.array([1]))
+        spec._flushed_at = spec.acceptance.now - folded_ago
+        spec._held = spec.dwell  # the next call is a full choice
+        spec.choose(rows)
+        assert len(spec.acceptance._pending) == left
+        spec.acceptance.flush()
