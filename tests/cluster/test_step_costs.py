@@ -11,7 +11,8 @@ import pytest
 
 from mtpserve.cluster.device_costs import DeviceCosts, _line_fit
 from mtpserve.cluster.spec_chooser import choose_k
-from mtpserve.cluster.step_costs import StepCosts, _host_slope, _host_slopes
+from mtpserve.cluster.host_fits import host_slope, host_slopes, means_of_max
+from mtpserve.cluster.step_costs import StepCosts
 
 K = 4
 
@@ -326,13 +327,13 @@ def test_the_lines_are_least_squares_fits() -> None:
     rng = np.random.default_rng(0)
     tokens, ks = rng.uniform(1.0, 5.0, 64), rng.integers(1, 5, 64)
     seconds = 1e-4 + 2e-6 * tokens + 5e-6 * ks + rng.uniform(0.0, 2e-6, 64)
-    assert _host_slope(seconds.tolist(), tokens.tolist(), float(np.median(seconds))) == pytest.approx(
+    assert host_slope(seconds.tolist(), tokens.tolist(), float(np.median(seconds))) == pytest.approx(
         np.polyfit(tokens, seconds, 1)[0], rel=1e-9)
     # Two or more k: the tokens' slope within each k (a regression with a level per k), then k's on the rest.
     levels = (ks[:, None] == np.unique(ks)[None, :]).astype(float)
     within = np.linalg.lstsq(np.column_stack((tokens, levels)), seconds, rcond=None)[0][0]
     per_draft = np.polyfit(ks, seconds - within * tokens, 1)[0]
-    b, c = _host_slopes(seconds.tolist(), tokens.tolist(), ks.tolist(), float(np.median(seconds)), 0.0)
+    b, c = host_slopes(seconds.tolist(), tokens.tolist(), ks.tolist(), float(np.median(seconds)), 0.0)
     assert (b, c) == (pytest.approx(within, rel=1e-9), pytest.approx(per_draft, rel=1e-9))
     assert abs(b - 2e-6) < 2e-7 and abs(c - 5e-6) < 5e-7
     row = [1.0, math.nan, 1.3, 1.35, math.nan]
@@ -448,16 +449,14 @@ def test_a_slower_host_scales_every_part_of_the_line() -> None:
 
 
 def test_the_overlapped_row_is_the_mean_of_the_longer_share_over_the_hosts_speeds() -> None:
-    """_means_of_max (a bisection over the speeds in order) against the plain mean of max(host * q, floor)."""
-    from mtpserve.cluster.step_costs import _means_of_max
-
+    """means_of_max (a bisection over the speeds in order) against the plain mean of max(host * q, floor)."""
     rng = np.random.default_rng(3)
     for _ in range(200):
         spread = rng.uniform(0.5, 2.0, size=int(rng.integers(1, 17))).tolist()
         host, floors = rng.uniform(0.0, 2.0, size=K + 1).tolist(), rng.uniform(0.0, 2.0, size=K + 1).tolist()
         host[0] = 0.0  # a host share clamped at zero: the floor alone
         want = [sum(max(h * q, f) for q in spread) / len(spread) for h, f in zip(host, floors)]
-        assert _means_of_max(host, floors, spread) == pytest.approx(want, rel=1e-12)
+        assert means_of_max(host, floors, spread) == pytest.approx(want, rel=1e-12)
 
 
 def _overlapped(costs: StepCosts, batch: int, k: int, host: float, device: float, n: int) -> None:
