@@ -1,19 +1,23 @@
 #!/usr/bin/env python
 """Auto against fixed k with the host's drift paired out: an engine per variant, their short cells interleaved.
 
-    python benchmarks/interleaved.py --ks 2,auto --concurrency 1 --temperature 1 --rounds 64
+    python benchmarks/interleaved.py --ks 2,auto --concurrency 1 --temperature 1 --rounds 150
+    python benchmarks/interleaved.py --ks 0,1,2,3,4,auto --concurrency 1,8,32,128,256 --budget-s 540
     python benchmarks/interleaved.py --tiny --device cpu --ks 1,auto --rounds 2     # a smoke run, seconds
 
 spec_matrix.py runs every k on one engine, a cell of 2 x conc requests (about a second) at a time, and on the
 H200 the host's speed moved within its rounds: one cell's runs spread 0.8-24 % (session AC, runs 268 and 271),
 0.4-12x issue 11's 2 % margin. Here each variant (a fixed k, or auto) has its own engine, so none learns from
-another's steps, and a round runs one short cell of each (--requests-per-cell requests at the concurrency; at
-c = 1 one request, a fraction of a second), the variants in a balanced order, all on the same prompts and seeds.
-A slow spell of the host then falls on every variant alike, and each round gives a paired ratio.
+another's steps, and a round runs one short cell of each (--requests-per-cell requests, by default twice the
+concurrency: at c = 1 two, a few tenths of a second), the variants in a balanced order, all on the same prompts and
+seeds. A slow spell of the host then falls on every variant alike, and each round gives a paired ratio. On the
+H200, 150 rounds at c = 1 put a 90 % interval of about +-0.8 % on auto / fixed k (session AD, runs 274-281),
+though the ratio moved more than that between runs, whose engines learn their costs anew.
 
 Per variant: its tok/s over all rounds (tokens / seconds, summed), its acceptance length, and auto's tok/s over
-its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). A cell of a few requests at c > 1 is
-mostly ramp-up and drain: give it several times the concurrency.
+its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). With --budget-s each concurrency gets
+an equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the
+last one's time still fits.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,24 +63,36 @@ def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks:
 PROMPT_POOL = 600  # distinct prompts at most: the stdlib source holds about 650 held-out functions
 
 
-def round_prompts(args: argparse.Namespace, vocab: int) -> list[list]:
-    """Each round's prompts: distinct rounds while the pool lasts, then the same rounds again (every variant's
-    cell of a round still gets the same prompts)."""
-    n = args.requests_per_cell
+def cell_size(args: argparse.Namespace, c: int) -> int:
+    """Requests in one cell at concurrency c: --requests-per-cell, by default twice the concurrency."""
+    return args.requests_per_cell or 2 * c
+
+
+def round_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list]:
+    """Each round's prompts (n a cell): distinct rounds while the pool lasts, then the same rounds again (every
+    variant's cell of a round still gets the same prompts)."""
     distinct = max(1, min(args.rounds, PROMPT_POOL // n))
     prompts = spec_matrix.matrix_prompts(args, distinct * n, vocab)
     return [prompts[(r % distinct) * n:(r % distinct + 1) * n] for r in range(args.rounds)]
 
 
-def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int) -> dict[int | str, list[Cell]]:
-    """Every round, one cell per variant on that round's prompts, in a balanced order; -> per variant its cells."""
-    n = args.requests_per_cell
+def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None
+               ) -> dict[int | str, list[Cell]]:
+    """Every round, one cell per variant on that round's prompts, in a balanced order; past the first, a round
+    starts only where the last one's time still fits before `deadline` (time.monotonic; None: all of them).
+    -> per variant its cells."""
+    n = len(rounds[0])
     cells: dict[int | str, list[Cell]] = {k: [] for k in engines}
+    last = 0.0
     for r, prompts in enumerate(rounds):
+        if r and deadline is not None and time.monotonic() + last > deadline:
+            break
+        began = time.monotonic()
         for k in common.balanced_order(list(engines), r):
             jobs = spec_matrix.matrix_jobs(args, prompts, k, n, args.max_tokens)
             run = workloads.drive(engines[k], jobs, c, f"r{r}k{k}c{c}")
             cells[k].append((run.num_tokens, run.wall, run.spec.acceptance_length))
+        last = time.monotonic() - began
     return cells
 
 
@@ -100,7 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     spec_matrix.add_matrix_args(p)
     p.add_argument("--rounds", type=int, default=32, help="cells per variant, interleaved")
-    p.add_argument("--requests-per-cell", type=int, default=1, help="requests in one cell (at c > 1, several x c)")
+    p.add_argument("--requests-per-cell", type=int, default=None,
+                   help="requests in one cell (default: 2 x the concurrency; a smaller cell at c > 1 is mostly ramp-up "
+                        "and drain)")
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency="1", max_tokens=16, ks="1,auto")
     return args
@@ -110,20 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device, args.tiny)
     ks, tables, notes = common.parse_ks(args.ks), [], []
+    concurrency = common.parse_ints(args.concurrency)
+    end = None if args.budget_s is None else time.monotonic() + args.budget_s
     with tempfile.TemporaryDirectory(prefix="mtpserve-interleaved-") as tmp:
-        for c in common.parse_ints(args.concurrency):
+        for i, c in enumerate(concurrency):  # each concurrency gets an equal share of the budget left
+            deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(concurrency) - i)
             engines = build_engines(args, device, Path(tmp), ks, c)
-            first = next(iter(engines.values()))
-            rounds = round_prompts(args, first.model_config.vocab_size)
+            first, n = next(iter(engines.values())), cell_size(args, c)
+            rounds = round_prompts(args, first.model_config.vocab_size, n)
             for k, engine in engines.items():  # compiles, captures and fills the prefix cache before the clock runs
-                warm = spec_matrix.matrix_jobs(args, rounds[0], k, args.requests_per_cell, args.max_tokens)
+                warm = spec_matrix.matrix_jobs(args, rounds[0], k, n, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
-            notes.append(f"c={c}: {spec_matrix.pin_driver(args, device)}")
-            tables.append(table_for(run_rounds(args, engines, rounds, c), c))
+            notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
+            tables.append(table_for(run_rounds(args, engines, rounds, c, deadline), c))
             for engine in engines.values():
                 engine.shutdown()
     notes.append(f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.workload} prompts, "
-                 f"{args.max_tokens} tokens per request, {args.requests_per_cell} request(s) a cell, an engine per "
+                 f"{args.max_tokens} tokens per request, an engine per "
                  "variant (none learns from another's steps), the same prompts and seeds in every variant's cell of a "
                  "round")
     common.report(args, "interleaved", device, tables, notes)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -31,12 +33,35 @@ def test_a_tiny_run_reports_every_variant_against_auto(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("MTP")]
     assert [r[0] for r in rows] == ["MTP1", "MTPauto"]
-    assert all(r[2] == "2" and int(r[3]) == 2 * 16 for r in rows), rows  # two cells of one 16-token request each
+    assert all(r[2] == "2" and int(r[3]) == 2 * 2 * 16 for r in rows), rows  # two cells of two 16-token requests
     assert float(rows[0][6]) > 0 and rows[1][6] == "-"
 
 
 def test_rounds_past_the_prompt_pool_reuse_its_rounds() -> None:
     args = interleaved.parse_args(["--tiny", "--workload", "random", "--rounds", "5", "--requests-per-cell", "256"])
-    rounds = interleaved.round_prompts(args, vocab=100)
+    rounds = interleaved.round_prompts(args, vocab=100, n=interleaved.cell_size(args, 128))
     assert len(rounds) == 5 and all(len(r) == 256 for r in rounds)
     assert rounds[0] != rounds[1] and rounds[2] == rounds[0] and rounds[3] == rounds[1]  # 600 // 256 = 2 distinct
+
+
+def test_a_cell_is_twice_the_concurrency_unless_given() -> None:
+    args = interleaved.parse_args(["--tiny"])
+    assert [interleaved.cell_size(args, c) for c in (1, 8, 128)] == [2, 16, 256]
+    assert interleaved.cell_size(interleaved.parse_args(["--tiny", "--requests-per-cell", "5"]), 128) == 5
+
+
+def test_rounds_stop_where_the_next_would_not_fit_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the first, a round starts only where the last one's time still fits before the deadline."""
+    clock = [0.0]
+    monkeypatch.setattr(interleaved.time, "monotonic", lambda: clock[0])
+
+    def drive(engine: object, jobs: list, c: int, name: str) -> object:
+        clock[0] += 1.0  # each cell takes a second
+        return SimpleNamespace(num_tokens=10, wall=1.0, spec=SimpleNamespace(acceptance_length=2.0))
+
+    monkeypatch.setattr(interleaved.workloads, "drive", drive)
+    args = interleaved.parse_args(["--tiny", "--rounds", "10"])
+    rounds = [[[1, 2, 3]]] * 10
+    cells = interleaved.run_rounds(args, {1: None, "auto": None}, rounds, 1, deadline=7.0)
+    assert [len(v) for v in cells.values()] == [3, 3]  # rounds of 2 s each: started at 0, 2 and 4; 6 + 2 > 7
+    assert [len(v) for v in interleaved.run_rounds(args, {1: None, "auto": None}, rounds, 1).values()] == [10, 10]
