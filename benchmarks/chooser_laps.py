@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cell_phases  # noqa: E402
 import common  # noqa: E402
 import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
@@ -62,20 +63,6 @@ def _timed(method: Callable[..., Any], out: list[tuple[float, float]]) -> Callab
     return timed
 
 
-def trace_laps(engine: LLMEngine, laps: list[tuple[float, bool]]) -> None:
-    """Record each step's lap (ms) and whether its chooser chose, wrapping engine.step in place."""
-    step, last = engine.step, [time.perf_counter()]
-
-    def traced() -> Any:
-        out = step()
-        now = time.perf_counter()
-        laps.append(((now - last[0]) * 1e3, engine.adaptive is not None and engine.adaptive.choosing))
-        last[0] = now
-        return out
-
-    engine.step = traced
-
-
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
@@ -87,17 +74,17 @@ def run_passes(args: argparse.Namespace, engine: LLMEngine, prompts: list, c: in
                         "chose mean ms"])
     parts_table = Table(f"the chooser's parts at c = {c}, calls over {BUSY_US:g} us", ["variant", "pass", "part", "calls",
                         "wall p50 us", "wall p90 us", "wall max us", "cpu p50 us"])
-    laps: list[tuple[float, bool]] = []
-    trace_laps(engine, laps)
+    tracer = cell_phases.StepTracer(engine)  # each step's lap, and whether its chooser chose
     for r in range(args.passes):
         for k in common.parse_ks(args.variants):
             timings: Timings = defaultdict(list)
-            laps.clear()
+            tracer.start()
             untime = time_parts(timings)
             run = workloads.drive(engine, spec_matrix.matrix_jobs(args, prompts, k, len(prompts), args.max_tokens), c,
                                   f"p{r}k{k}")
             untime()
-            every, chose = [lap for lap, _ in laps], [lap for lap, chosen in laps if chosen]
+            every = [r.seconds * 1e3 for r in tracer.records]
+            chose = [r.seconds * 1e3 for r in tracer.records if r.chose]
             laps_table.add(f"MTP{k}", str(r), run.tokens_per_s, f"{run.spec.acceptance_length:.2f}", str(len(every)),
                            quantile(every, 0.5), sum(every) / max(len(every), 1), str(len(chose)),
                            quantile(chose, 0.5), sum(chose) / max(len(chose), 1))
