@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import cost_samples  # noqa: E402
 import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
 from common import Table  # noqa: E402
@@ -76,8 +77,8 @@ def round_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list]:
     return [prompts[(r % distinct) * n:(r % distinct + 1) * n] for r in range(args.rounds)]
 
 
-def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None
-               ) -> dict[int | str, list[Cell]]:
+def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None,
+               log: cost_samples.SampleLog | None = None) -> dict[int | str, list[Cell]]:
     """Every round, one cell per variant on that round's prompts, in a balanced order; past the first, a round
     starts only where the last one's time still fits before `deadline` (time.monotonic; None: all of them).
     -> per variant its cells."""
@@ -90,6 +91,8 @@ def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: i
         began = time.monotonic()
         for k in common.balanced_order(list(engines), r):
             jobs = spec_matrix.matrix_jobs(args, prompts, k, n, args.max_tokens)
+            if log is not None:
+                log.at(f"k={k} c={c}", r)
             run = workloads.drive(engines[k], jobs, c, f"r{r}k{k}c{c}")
             cells[k].append((run.num_tokens, run.wall, run.spec.acceptance_length))
         last = time.monotonic() - began
@@ -117,6 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     spec_matrix.add_matrix_args(p)
     p.add_argument("--rounds", type=int, default=32, help="cells per variant, interleaved")
+    p.add_argument("--dump-samples", metavar="PATH", help="write every step-cost sample and choice of every engine "
+                   "as JSON (cost_samples.py), for benchmarks/replay_costs.py")
     p.add_argument("--requests-per-cell", type=int, default=None,
                    help="requests in one cell (default: 2 x the concurrency; a smaller cell at c > 1 is mostly ramp-up "
                         "and drain)")
@@ -131,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ks, tables, notes = common.parse_ks(args.ks), [], []
     concurrency = common.parse_ints(args.concurrency)
     end = None if args.budget_s is None else time.monotonic() + args.budget_s
+    log = cost_samples.SampleLog() if args.dump_samples else None
     with tempfile.TemporaryDirectory(prefix="mtpserve-interleaved-") as tmp:
         for i, c in enumerate(concurrency):  # each concurrency gets an equal share of the budget left
             deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(concurrency) - i)
@@ -141,9 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                 warm = spec_matrix.matrix_jobs(args, rounds[0], k, n, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
             notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
-            tables.append(table_for(run_rounds(args, engines, rounds, c, deadline), c))
+            for k, engine in engines.items() if log is not None else ():
+                log.wrap(engine, f"k={k} c={c}")
+            tables.append(table_for(run_rounds(args, engines, rounds, c, deadline, log), c))
             for engine in engines.values():
                 engine.shutdown()
+    if log is not None:
+        log.write(args.dump_samples)
     notes.append(f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.workload} prompts, "
                  f"{args.max_tokens} tokens per request, an engine per "
                  "variant (none learns from another's steps), the same prompts and seeds in every variant's cell of a "

@@ -1,0 +1,81 @@
+"""What an engine's step-cost model was fed and what its chooser saw, recorded for offline replay (replay_costs.py).
+
+`SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k: every
+sample (batch, k, lap, host and device seconds, tokens) every full choice (the gains, base, floor and cost
+row it priced, the k it kept or took) and each model's state when wrapped lands in one list with the variant and round it belongs to and the time.
+`--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON: a GPU run's stream can then be
+priced again on the CPU by another cost model and set against the fixed-k cells of the same rounds.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+from mtpserve.cluster import spec_chooser
+from mtpserve.cluster.engine import LLMEngine
+
+
+class SampleLog:
+    """Samples and choices of the engines it wraps, tagged with the variant and round set last (`at`)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.variant: str = ""
+        self.round: int = 0
+        self._engines: dict[str, LLMEngine] = {}  # per variant (the chooser's batch is read from its engine)
+        self._choose = spec_chooser.choose_k
+        spec_chooser.choose_k = self._traced_choose
+
+    def at(self, variant: str, round_: int) -> None:
+        """What the records that follow belong to."""
+        self.variant, self.round = variant, round_
+
+    def wrap(self, engine: LLMEngine, variant: str = "") -> None:
+        """Record every sample this engine's step costs are fed (nothing where it has no adaptive speculation);
+        `variant`: the engine's alone (interleaved.py), or "" where one engine runs every variant (cell_phases.py)."""
+        if engine.adaptive is None:
+            return
+        self._engines[variant] = engine
+        costs = engine.adaptive.costs
+        # Where the replay starts from: the start-up seeds and what the warm-up taught.
+        self._add("state", costs=base64.b64encode(pickle.dumps(costs)).decode(), variant=variant)
+        observe = costs.observe
+
+        def traced(batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
+                   tokens: float = 0.0, greedy: bool = True, lap: float = 0.0) -> None:
+            self._add("sample", batch=batch, k=k, lap=lap, host=host, device=device, tokens=tokens,
+                      overlapped=overlapped, greedy=greedy)
+            observe(batch, k, device, host, overlapped, tokens, greedy, lap)
+
+        costs.observe = traced
+
+    def _traced_choose(self, gains: list[float], base: float, floor: int, cost: Any, current: int,
+                       hysteresis: float = 0.0) -> int:
+        k = self._choose(gains, base, floor, cost, current, hysteresis)
+        engine = self._engines.get(self.variant) or self._engines.get("")
+        batch = engine.adaptive._batch if engine is not None else -1
+        self._add("choice", batch=batch, gains=list(gains), base=base, floor=floor, cost=[float(c) for c in cost],
+                  current=current, chosen=k)
+        return k
+
+    def _add(self, kind: str, **fields: Any) -> None:
+        self.records.append({"kind": kind, "variant": self.variant, "round": self.round, "t": time.monotonic(),
+                             **fields})
+
+    def write(self, path: str | Path) -> None:
+        """The records as JSON, gzipped where the path ends in .gz (a GPU run's files come back up to 16 MiB)."""
+        spec_chooser.choose_k = self._choose
+        text = json.dumps(self.records).encode()
+        Path(path).write_bytes(gzip.compress(text) if str(path).endswith(".gz") else text)
+
+
+def load(path: str | Path) -> list[dict[str, Any]]:
+    """What SampleLog.write wrote."""
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Auto's priced steps against the fixed-k cells of the same rounds, replayed offline from a GPU run's samples.
+
+    python benchmarks/interleaved.py --ks 1,2,3,4,auto --concurrency 8 --temperature 1 --dump-samples s.json
+    python benchmarks/replay_costs.py s.json [--variant no-spread]
+
+interleaved.py runs an engine per variant, one short cell of each per round, so a round's fixed-k cells say what
+each k's steps cost and emitted while auto's engine chose. For every full choice auto made at the full batch this
+sets beside each k's real mean lap and tokens a step (the fixed cells' full-batch steps in that round):
+  * the cost row the engine priced, and the one a cost model replayed from the same samples prices (the model
+    as it is, or a --variant of it: a what-if, run on the CPU in seconds instead of a GPU run per idea);
+  * the k each row's rate picks (with the choice's own expected tokens) against the k the real laps and tokens
+    pick, and the real rate lost by the pick.
+A replay sees the samples auto's choices produced; a variant that would have chosen otherwise would have seen
+others. So it measures pricing, not the closed loop: what it finds is then run on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import pickle
+import statistics
+import sys
+from collections import defaultdict
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cost_samples  # noqa: E402
+from mtpserve.cluster import host_fits  # noqa: E402
+from mtpserve.cluster.step_costs import StepCosts  # noqa: E402
+
+Record = dict[str, Any]
+
+
+def no_spread(costs: StepCosts) -> None:
+    """What-if: the host at its speed now, without the spread of its recent speeds."""
+    fit = costs._host_fit
+
+    def narrow(batch: int, refit: bool = True) -> tuple:
+        return (*fit(batch, refit)[:4], [1.0])
+
+    costs._host_fit = narrow  # type: ignore[method-assign]
+
+
+def draft_prior(share: float) -> Callable[[StepCosts], None]:
+    """What-if: where no window has drawn the host's price of a draft, each draft costs the host `share` of its
+    share per request now."""
+    def patch(costs: StepCosts) -> None:
+        fit = costs._host_fit
+
+        def priced(batch: int, refit: bool = True) -> tuple:
+            a, slope, price, median, spread = fit(batch, refit)
+            if not any(price) and batch > 0:
+                per = share * median / batch
+                price = [per * k for k in range(len(price))]
+            return a, slope, price, median, spread
+
+        costs._host_fit = priced  # type: ignore[method-assign]
+    return patch
+
+
+VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None, "no-spread": no_spread,
+                                                    **{f"draft-{s}": draft_prior(s) for s in (0.04, 0.08, 0.12)}}
+
+
+def real_cells(records: list[Record], c: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """(round, k) -> (mean lap, mean tokens) of a fixed-k variant's full-batch steps in that round."""
+    laps: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "sample" and "auto" not in r["variant"] and r["batch"] == c and r["lap"] > 0:
+            laps[(r["round"], r["k"])].append((r["lap"], r["tokens"]))
+    return {key: (statistics.mean(x for x, _ in v), statistics.mean(t for _, t in v)) for key, v in laps.items()}
+
+
+def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepCosts], None]
+           ) -> list[tuple[Record, list[float]]]:
+    """Auto's choices at the full batch, each with the cost row the replayed model prices there."""
+    mine = [r for r in records if r["variant"] == variant]
+    state = next(r for r in mine if r["kind"] == "state")
+    costs: StepCosts = pickle.loads(base64.b64decode(state["costs"]))
+    what_if(costs)
+    greedy = all(r["greedy"] for r in mine if r["kind"] == "sample")
+    out = []
+    for r in mine:
+        if r["kind"] == "sample":
+            costs.observe(r["batch"], r["k"], r["device"], r["host"], r["overlapped"], r["tokens"], r["greedy"],
+                          r["lap"])
+        elif r["kind"] == "choice" and r["batch"] == c:
+            tokens = list(accumulate(r["gains"], initial=r["base"]))
+            out.append((r, costs.costs(c, tokens, greedy=greedy).tolist()))
+    return out
+
+
+def best(rates: list[float]) -> int:
+    return max(range(len(rates)), key=rates.__getitem__)
+
+
+def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCosts], None]) -> None:
+    real = real_cells(records, c)
+    ks = sorted({k for _, k in real})
+    variant = f"k=auto c={c}"
+    rows = replay(records, variant, c, what_if)
+    ratios_engine: dict[int, list[float]] = defaultdict(list)
+    ratios_replay: dict[int, list[float]] = defaultdict(list)
+    ratios_tokens: dict[int, list[float]] = defaultdict(list)
+    picks = {"engine": [], "replay": []}  # per choice, the real rate of the pick over the best real rate
+    for choice, replayed in rows:
+        laps = {k: real[(choice["round"], k)] for k in ks if (choice["round"], k) in real}
+        if len(laps) < len(ks):
+            continue
+        tokens = list(accumulate(choice["gains"], initial=choice["base"]))
+        real_rate = {k: t / lap for k, (lap, t) in laps.items()}
+        top = max(real_rate.values())
+        for k, (lap, made) in laps.items():
+            ratios_engine[k].append(choice["cost"][k] / lap)
+            ratios_replay[k].append(replayed[k] / lap)
+            ratios_tokens[k].append(tokens[k] * c / choice["batch"] / made)
+        for label, row in (("engine", choice["cost"]), ("replay", replayed)):
+            pick = max(ks, key=lambda k: tokens[k] / row[k])
+            picks[label].append(real_rate[pick] / top)
+    print(f"c={c}, {name}: {len(rows)} full choices; per k, priced / real mean lap and expected / real tokens a "
+          "step (medians over choices)")
+    for k in ks:
+        e, p, t = ratios_engine[k], ratios_replay[k], ratios_tokens[k]
+        if e:
+            print(f"  k={k}: lap engine {statistics.median(e):.3f}, replay {statistics.median(p):.3f}; "
+                  f"tokens {statistics.median(t):.3f}")
+    for label, got in picks.items():
+        if got:
+            print(f"  {label}'s picks among k={ks}: real rate / best {statistics.mean(got):.3f} (mean), "
+                  f"best picked in {sum(g == 1.0 for g in got)} of {len(got)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("dump", help="a JSON file written by --dump-samples")
+    p.add_argument("--variant", default="as-is", choices=sorted(VARIANTS))
+    args = p.parse_args(argv)
+    records = cost_samples.load(args.dump)
+    for c in sorted({int(r["variant"].split("c=")[1]) for r in records if "auto" in r["variant"]}):
+        report(records, c, args.variant, VARIANTS[args.variant])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""benchmarks/cost_samples.py and replay_costs.py: a GPU run's step-cost samples and choices, recorded and priced
+again offline."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cost_samples  # noqa: E402
+import interleaved  # noqa: E402
+import replay_costs  # noqa: E402
+
+from mtpserve.cluster import spec_chooser  # noqa: E402
+from mtpserve.cluster.step_costs import StepCosts  # noqa: E402
+
+
+def _sample(variant: str, round_: int, k: int, lap: float, host: float, tokens: float, batch: int = 4) -> dict:
+    return {"kind": "sample", "variant": variant, "round": round_, "t": 0.0, "batch": batch, "k": k, "lap": lap,
+            "host": host, "device": lap * 0.8, "tokens": tokens, "overlapped": True, "greedy": True}
+
+
+def test_a_tiny_interleaved_run_dumps_each_engine_and_restores_the_chooser(tmp_path: Path) -> None:
+    path = tmp_path / "s.json.gz"
+    assert interleaved.main(["--tiny", "--device", "cpu", "--ks", "1,auto", "--concurrency", "4", "--rounds", "2",
+                             "--max-tokens", "24", "--no-results", "--dump-samples", str(path)]) == 0
+    assert spec_chooser.choose_k.__name__ == "choose_k"  # the wrapper is gone once written
+    records = cost_samples.load(path)
+    states = {r["variant"] for r in records if r["kind"] == "state"}
+    assert states == {"k=1 c=4", "k=auto c=4"}
+    samples = [r for r in records if r["kind"] == "sample"]
+    assert {r["round"] for r in samples} == {0, 1}
+    assert {r["k"] for r in samples if r["variant"] == "k=1 c=4"} == {1}
+    assert all(r["lap"] >= 0 and r["tokens"] >= r["batch"] for r in samples)
+    assert any(r["kind"] == "choice" and r["variant"] == "k=auto c=4" for r in records)
+
+
+def test_the_replay_prices_as_the_model_fed_the_same_samples() -> None:
+    start = StepCosts(max_k=2, max_rows=4)
+    auto = [_sample("k=auto c=4", 0, 2, 1e-3 * (1 + i % 3 / 10), 0.9e-3, 9.0 + i % 3) for i in range(40)]
+    choice = {"kind": "choice", "variant": "k=auto c=4", "round": 0, "t": 0.0, "batch": 4, "gains": [2.0, 1.0],
+              "base": 4.0, "floor": 0, "cost": [1e-3, 1.1e-3, 1.2e-3], "current": 2, "chosen": 2}
+    state = {"kind": "state", "variant": "k=auto c=4", "costs": base64.b64encode(pickle.dumps(start)).decode()}
+    [(seen, row)] = replay_costs.replay([state, *auto, choice], "k=auto c=4", 4, lambda costs: None)
+    direct = StepCosts(max_k=2, max_rows=4)
+    for r in auto:
+        direct.observe(r["batch"], r["k"], r["device"], r["host"], r["overlapped"], r["tokens"], r["greedy"], r["lap"])
+    assert seen is choice
+    assert row == pytest.approx(direct.costs(4, [4.0, 6.0, 7.0]).tolist())
+
+
+def test_real_cells_are_the_fixed_variants_full_batch_means_per_round() -> None:
+    records = [_sample("k=1 c=4", 0, 1, 1e-3, 0.5e-3, 6.0), _sample("k=1 c=4", 0, 1, 3e-3, 0.5e-3, 8.0),
+               _sample("k=1 c=4", 0, 1, 9e-3, 0.5e-3, 2.0, batch=1),  # not the full batch
+               _sample("k=auto c=4", 0, 1, 5e-3, 0.5e-3, 4.0), _sample("k=2 c=4", 1, 2, 2e-3, 0.5e-3, 10.0)]
+    assert replay_costs.real_cells(records, 4) == {(0, 1): pytest.approx((2e-3, 7.0)), (1, 2): (2e-3, 10.0)}
