@@ -30,7 +30,6 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cost_samples  # noqa: E402
-from mtpserve.cluster import host_fits  # noqa: E402
 from mtpserve.cluster.step_costs import StepCosts  # noqa: E402
 
 Record = dict[str, Any]
