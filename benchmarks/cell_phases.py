@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import cost_samples  # noqa: E402
 import host  # noqa: E402
 import spec_matrix  # noqa: E402
 import token_counts  # noqa: E402
@@ -304,6 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "tokens the chooser saw per k")
     p.add_argument("--trace-costs", action="store_true", help="print per cell and k the medians of the laps, host and "
                    "device shares the step-cost model was fed in full-batch steps (and the laps' mean)")
+    p.add_argument("--dump-samples", metavar="PATH", help="write every step-cost sample and choice, each tagged with its "
+                   "cell, as JSON (cost_samples.py; gzipped where PATH ends in .gz)")
     p.add_argument("--trace-outliers", type=int, default=0, metavar="N", help="print per cell its N slowest full "
                    "steps and what ran in each")
     p.add_argument("--trace-tokens", action="store_true", help="print per cell each k's tokens a step drawn from its "
@@ -336,15 +339,22 @@ def main(argv: list[str] | None = None) -> int:
         choices = ChoiceTracer(engine) if args.trace_choices else None
         costs = CostTracer(engine) if args.trace_costs and engine.adaptive is not None else None
         outcomes = OutcomeTracer(engine) if args.trace_tokens and engine.adaptive is not None else None
+        log = cost_samples.SampleLog() if args.dump_samples else None
+        if log is not None:
+            log.wrap(engine)
         for c in concurrency:
             for r in range(args.repeats):  # the k's in spec_matrix.py's balanced order
                 pinned.append(f"c={c} round {r}: {spec_matrix.pin_driver(args, device)}")
                 for k in common.balanced_order(ks, r):
+                    if log is not None:
+                        log.at(f"k={k} c={c}", r)
                     row = _cell(engine, tracer, choices, costs, outcomes, args.trace_outliers,
                                 jobs(k, cells[c], args.max_tokens), c,
                                 f"k={k} c={c} round {r}", args.temperature == 0)
                     table.add(f"MTP{k}", str(c), str(r), *row)
         engine.shutdown()
+    if log is not None:
+        log.write(args.dump_samples)
     common.report(args, "cell_phases", device, [table],
                   ["phases as in benchmarks/cell_phases.py's docstring; a step's time is the wall between two "
                    "returns of LLMEngine.step, attributed to the step whose outputs the second returned", *pinned])

@@ -77,8 +77,10 @@ def real_cells(records: list[Record], c: int) -> dict[tuple[int, int], tuple[flo
 
 def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepCosts], None]
            ) -> list[tuple[Record, list[float]]]:
-    """Auto's choices at the full batch, each with the cost row the replayed model prices there."""
-    mine = [r for r in records if r["variant"] == variant]
+    """Auto's choices at the full batch, each with the cost row the replayed model prices there. Where one engine ran
+    every variant (cell_phases.py: its state is tagged ""), it is fed every variant's samples, in order."""
+    own = any(r["kind"] == "state" and r["variant"] == variant for r in records)
+    mine = [r for r in records if r["variant"] == variant or not own and r["kind"] != "choice"]
     state = next(r for r in mine if r["kind"] == "state")
     costs: StepCosts = pickle.loads(base64.b64decode(state["costs"]))
     what_if(costs)

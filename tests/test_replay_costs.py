@@ -58,3 +58,23 @@ def test_real_cells_are_the_fixed_variants_full_batch_means_per_round() -> None:
                _sample("k=1 c=4", 0, 1, 9e-3, 0.5e-3, 2.0, batch=1),  # not the full batch
                _sample("k=auto c=4", 0, 1, 5e-3, 0.5e-3, 4.0), _sample("k=2 c=4", 1, 2, 2e-3, 0.5e-3, 10.0)]
     assert replay_costs.real_cells(records, 4) == {(0, 1): pytest.approx((2e-3, 7.0)), (1, 2): (2e-3, 10.0)}
+
+
+def test_a_one_engine_cell_phases_dump_replays_its_auto_cells(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    """cell_phases.py runs every variant on one engine: the replay feeds it every cell's samples, in order."""
+    import cell_phases
+
+    path = tmp_path / "s.json"
+    assert cell_phases.main(["--tiny", "--device", "cpu", "--ks", "2,auto", "--no-results",
+                             "--dump-samples", str(path)]) == 0
+    records = cost_samples.load(path)
+    assert [r["variant"] for r in records if r["kind"] == "state"] == [""]
+    assert {r["variant"] for r in records if r["kind"] == "sample"} == {"k=2 c=4", "k=auto c=4"}
+    capsys.readouterr()
+    assert replay_costs.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("c=4, as-is: ")
+    choices = int(out.split("as-is: ")[1].split()[0])  # auto's full choices at the full batch (timing decides how many)
+    assert choices == sum(r["kind"] == "choice" and r["variant"] == "k=auto c=4" and r["batch"] == 4 for r in records)
+    assert ("k=2: lap engine" in out) == (choices > 0)  # each priced against the k = 2 cell of its round
