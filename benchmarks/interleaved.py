@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cell_phases  # noqa: E402
 import common  # noqa: E402
 import cost_samples  # noqa: E402
 import spec_matrix  # noqa: E402
@@ -77,8 +78,38 @@ def round_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list]:
     return [prompts[(r % distinct) * n:(r % distinct + 1) * n] for r in range(args.rounds)]
 
 
+class PhaseSums:
+    """Per variant, its cells' steps summed over rounds by phase (cell_phases.py's: full, partial, prompt, catch-up,
+    drain; each step timed by cell_phases.StepTracer): steps, seconds and tokens, and the steps where adaptive
+    speculation chose (AdaptiveSpec.choosing) with their seconds. Paired by round like the cells, it says in which
+    phase auto's time goes where a fixed k's does not."""
+
+    def __init__(self, engines: dict) -> None:
+        self.tracers = {k: cell_phases.StepTracer(engine) for k, engine in engines.items()}
+        self.sums: dict[int | str, dict[str, list[float]]] = {k: {} for k in engines}
+
+    def start(self, k: int | str) -> None:
+        self.tracers[k].start()
+
+    def add(self, k: int | str, c: int) -> None:
+        records = self.tracers[k].records
+        for r, phase in zip(records, cell_phases.phase_of(records, c)):
+            for key in (phase, "choosing") if r.chose else (phase,):
+                steps, seconds, tokens = self.sums[k].setdefault(key, [0, 0.0, 0])
+                self.sums[k][key] = [steps + 1, seconds + r.seconds, tokens + r.tokens]
+
+    def table(self, c: int) -> Table:
+        t = Table(f"phases at c = {c}, summed over rounds: steps / ms / tok/ms (choosing: the steps in which auto "
+                  "chose, any phase)", ["variant", *cell_phases.PHASES, "choosing"])
+        for k, sums in self.sums.items():
+            t.add(f"MTP{k}", *(f"{int(n)} / {s * 1e3:.0f} / {tok / max(s * 1e3, 1e-9):.1f}" if n else "0"
+                               for n, s, tok in (sums.get(p, (0, 0.0, 0)) for p in (*cell_phases.PHASES, "choosing"))))
+        return t
+
+
 def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None,
-               log: cost_samples.SampleLog | None = None) -> dict[int | str, list[Cell]]:
+               log: cost_samples.SampleLog | None = None, phases: PhaseSums | None = None
+               ) -> dict[int | str, list[Cell]]:
     """Every round, one cell per variant on that round's prompts, in a balanced order; past the first, a round
     starts only where the last one's time still fits before `deadline` (time.monotonic; None: all of them).
     -> per variant its cells."""
@@ -93,7 +124,11 @@ def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: i
             jobs = spec_matrix.matrix_jobs(args, prompts, k, n, args.max_tokens)
             if log is not None:
                 log.at(f"k={k} c={c}", r)
+            if phases is not None:
+                phases.start(k)
             run = workloads.drive(engines[k], jobs, c, f"r{r}k{k}c{c}")
+            if phases is not None:
+                phases.add(k, c)
             cells[k].append((run.num_tokens, run.wall, run.spec.acceptance_length))
         last = time.monotonic() - began
     return cells
@@ -122,6 +157,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=32, help="cells per variant, interleaved")
     p.add_argument("--dump-samples", metavar="PATH", help="write every step-cost sample and choice of every engine "
                    "as JSON (cost_samples.py), for benchmarks/replay_costs.py")
+    p.add_argument("--phases", action="store_true", help="also a table per concurrency of each variant's steps by "
+                   "phase (cell_phases.py's), summed over rounds")
     p.add_argument("--requests-per-cell", type=int, default=None,
                    help="requests in one cell (default: 2 x the concurrency; a smaller cell at c > 1 is mostly ramp-up "
                         "and drain)")
@@ -149,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
             for k, engine in engines.items() if log is not None else ():
                 log.wrap(engine, f"k={k} c={c}")
-            tables.append(table_for(run_rounds(args, engines, rounds, c, deadline, log), c))
+            phases = PhaseSums(engines) if args.phases else None
+            tables.append(table_for(run_rounds(args, engines, rounds, c, deadline, log, phases), c))
+            if phases is not None:
+                tables.append(phases.table(c))
             for engine in engines.values():
                 engine.shutdown()
     if log is not None:

@@ -65,3 +65,19 @@ def test_rounds_stop_where_the_next_would_not_fit_the_deadline(monkeypatch: pyte
     cells = interleaved.run_rounds(args, {1: None, "auto": None}, rounds, 1, deadline=7.0)
     assert [len(v) for v in cells.values()] == [3, 3]  # rounds of 2 s each: started at 0, 2 and 4; 6 + 2 > 7
     assert [len(v) for v in interleaved.run_rounds(args, {1: None, "auto": None}, rounds, 1).values()] == [10, 10]
+
+
+def test_phases_sum_each_variants_steps_over_its_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert interleaved.main(["--tiny", "--device", "cpu", "--ks", "1,auto", "--concurrency", "4", "--rounds", "2",
+                             "--max-tokens", "16", "--no-results", "--phases"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("phases at c = 4")[1]
+    rows = {line.split()[0]: line for line in table.splitlines() if line.strip().startswith("MTP")}
+    assert set(rows) == {"MTP1", "MTPauto"}
+    fixed = rows["MTP1"].split("MTP1", 1)[1]
+    cells = [c.strip() for c in fixed.split("  ") if c.strip()]
+    assert len(cells) == 6 and cells[-1] == "0"  # five phases, and a fixed k never chooses
+    full_steps, full_ms, _ = (float(x) for x in cells[0].split(" / "))
+    assert full_steps >= 4 and full_ms > 0  # two cells of 8 requests of 16 tokens, 4 at a time: full steps in each
+    prompt_steps = int(cells[2].split(" / ")[0])
+    assert prompt_steps >= 2  # each cell's 4 prompts take at least one step
