@@ -1,10 +1,11 @@
 """What an engine's step-cost model was fed and what its chooser saw, recorded for offline replay (replay_costs.py).
 
-`SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k: every
-sample (batch, k, lap, host and device seconds, tokens) every full choice (the gains, base, floor and cost
-row it priced, the k it kept or took) and each model's state when wrapped lands in one list with the variant and round it belongs to and the time.
-`--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON: a GPU run's stream can then be
-priced again on the CPU by another cost model and set against the fixed-k cells of the same rounds.
+`SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k. Every
+sample (batch, k, lap, host and device seconds, tokens), every choice (the gains, base, floor and cost row it
+priced, the k it kept or took) and each cost model's state when wrapped (pickled) lands in one list, with the
+variant and round it belongs to and the time. `--dump-samples PATH` in cell_phases.py and interleaved.py writes it
+as JSON: a GPU run's stream can then be priced again on the CPU by another cost model and set against the fixed-k
+cells of the same rounds.
 """
 
 from __future__ import annotations
