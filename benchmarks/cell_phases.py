@@ -305,8 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "tokens the chooser saw per k")
     p.add_argument("--trace-costs", action="store_true", help="print per cell and k the medians of the laps, host and "
                    "device shares the step-cost model was fed in full-batch steps (and the laps' mean)")
-    p.add_argument("--dump-samples", metavar="PATH", help="write every step-cost sample and choice, each tagged with its "
-                   "cell, as JSON (cost_samples.py; gzipped where PATH ends in .gz)")
+    p.add_argument("--dump-samples", metavar="PATH", help="write every step-cost sample and choice, each tagged with "
+                   "its cell, as JSON (cost_samples.py; gzipped where PATH ends in .gz)")
     p.add_argument("--trace-outliers", type=int, default=0, metavar="N", help="print per cell its N slowest full "
                    "steps and what ran in each")
     p.add_argument("--trace-tokens", action="store_true", help="print per cell each k's tokens a step drawn from its "
