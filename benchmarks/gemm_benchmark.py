@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(f"small-M GEMMs, {dtype}, % of floor = (w + x + y bytes) / {bw / 1e12:.2f} TB/s (copy)",
                   ["proj", "N", "K", "M", "cuBLAS us", "cuBLAS %floor",
                    *(["cuBLASLt us", "cuBLASLt %floor"] if args.cublaslt else []), "skinny us", "skinny %floor",
-                   "config (bn x bk x split x warps x stages)", "winner", "cuBLAS/skinny"])
+                   "config (bn x bk x split x warps x stages x fused sum)", "winner", "cuBLAS/skinny"])
     entries: dict = {}
     times = {name: bench_shape(name, n, k, rows, bw, dtype, device, args, table, entries)
              for name, n, k in shapes(args)}

@@ -52,7 +52,7 @@ ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.98  # skinny_gemm must be 2 % faster: a tie within timing noise stays with cuBLAS
 # Bump when skinny_gemm or the measurement changes what a stored choice means: caches of another revision
 # (or another torch or triton) are ignored.
-CACHE_REVISION = 5  # 5: cuBLASLt measured by default (a revision-4 cache holds no cuBLASLt times)
+CACHE_REVISION = 6  # 6: fused split sums among skinny_gemm's candidates; 5: cuBLASLt measured by default
 CUBLASLT = "cublaslt"  # the route of a product that F.linear runs with cuBLASLt preferred
 
 

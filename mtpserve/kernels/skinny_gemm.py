@@ -11,7 +11,10 @@ the weight stream, not around the MMA:
   * split-K when N / BLOCK_N strips cannot fill the SMs (a 4096-wide output is 64 strips of 64 on
     132 SMs): SPLIT programs per strip each take a contiguous K range and write fp32 partials
     [SPLIT, M, N]; a second small kernel sums them, adds the bias and rounds (atomic-free, so the
-    result does not depend on the order programs finish, and graph replays are deterministic).
+    result does not depend on the order programs finish, and graph replays are deterministic). A config
+    may instead fuse that sum (SkinnyConfig.fused): the last program of a tile to finish (an arrival
+    counter per output tile) sums its partials in the same split order, so the result is the same bits
+    and a step has one kernel less per such product. Which one a shape runs is measured like the rest.
 Nothing is read on the host and nothing depends on tensor values, so a call is CUDA-graph capturable;
 M is not specialised (one compile per tile shape, whatever the batch), and which config serves which
 (M bucket, N, K) is measured by mtpserve/kernels/linear_dispatch.py, outside any capture.
@@ -39,9 +42,12 @@ class SkinnyConfig:
     split: int  # programs per strip along K (1: no partials, no second kernel)
     num_warps: int
     num_stages: int
+    # With a split: the last program of each output tile to finish its K range sums the tile's partials (an arrival
+    # counter per tile) instead of a second kernel. False: _sum_splits_kernel does (see _split_sum_counters).
+    fused: bool = False
 
     def as_list(self) -> list[int]:
-        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages]
+        return [self.block_n, self.block_k, self.split, self.num_warps, self.num_stages, int(self.fused)]
 
 
 # The tile shapes tried per (M bucket, N, K): few on purpose, each one is a compile per M tile (and per
@@ -86,7 +92,9 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig
         fill = split_for(m, n, k, bn, bk, num_sms)
         double = [2 * fill] if fill > 1 and triton.cdiv(k, 2 * fill * bk) >= 4 else []
         half = [fill // 2] if fill >= 4 else []
-        out += [SkinnyConfig(bn, bk, split, warps, stages) for split in sorted({1, *half, fill, *double})]
+        for split in sorted({1, *half, fill, *double}):
+            out += [SkinnyConfig(bn, bk, split, warps, stages, fused) for fused in ((False, True) if split > 1 else
+                                                                                   (False,))]
     return out
 
 
@@ -133,11 +141,13 @@ def _mma(w, xt, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(w, xt, acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["M", "k_tiles"])
+# fused (0 or 1) is a runtime argument, not a compile-time one: the configs a shape measures at start-up compile
+# no second kernel for it (each compile takes seconds, on every new machine).
+@triton.jit(do_not_specialize=["M", "k_tiles", "splits", "fused"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, k_tiles,  # k_tiles: BLOCK_K tiles per split (at least one)
-    stride_xm, stride_wn, stride_ym, stride_ys,  # stride_ys: between splits' partials (PARTIAL only)
+    x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, cnt_ptr,  # z, cnt: the output and the tiles' arrival counters (fused only)
+    M, N, K, k_tiles, splits, fused,  # k_tiles: BLOCK_K tiles per split (at least one); splits: programs along K
+    stride_xm, stride_wn, stride_ym, stride_ys, stride_zm,  # stride_ys: between splits' partials (PARTIAL only)
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
@@ -163,14 +173,38 @@ def _skinny_gemm_kernel(
         w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
         acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), acc, PRECISION, UPCAST)
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:  # fp32 partial of this K range; _sum_splits_kernel finishes the job
-        out = y_ptr + split.to(tl.int64) * stride_ys + ms[None, :].to(tl.int64) * stride_ym + ns[:, None]
-        tl.store(out, acc, mask=out_mask)
+    if PARTIAL:  # fp32 partial of this K range; _sum_splits_kernel, or where fused _sum_tile, finishes the job
+        tile_rows = ms[None, :].to(tl.int64) * stride_ym + ns[:, None]  # [BLOCK_N, BLOCK_M] offsets in a partial
+        tl.store(y_ptr + split.to(tl.int64) * stride_ys + tile_rows, acc, mask=out_mask)
+        if fused != 0:
+            _sum_tile(y_ptr, b_ptr, z_ptr, cnt_ptr, tile_rows, ms, ns, n_mask, out_mask, splits, stride_ys, stride_zm,
+                      HAS_BIAS, BLOCK_N, BLOCK_M)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + ns, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         out = y_ptr + ms[None, :].to(tl.int64) * stride_ym + ns[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_tile(p_ptr, b_ptr, z_ptr, cnt_ptr, tile_rows, ms, ns, n_mask, out_mask, splits, stride_ps, stride_zm,
+              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tile's last split program to arrive sums its partials [splits, BLOCK_N, BLOCK_M] in split order (the sum
+    _sum_splits_kernel makes, bit for bit), writes it and resets the tile's counter for the next call. acq_rel: each
+    program's partial is visible to whichever arrives last (the barrier first: one thread makes the atomic, and every
+    thread's stores must come before it); .cg loads skip an L1 that may hold none of them."""
+    tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if arrived == splits - 1:
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(p_ptr + s * stride_ps + tile_rows, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(b_ptr + ns, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(z_ptr + ms[None, :].to(tl.int64) * stride_zm + ns[:, None], total.to(z_ptr.dtype.element_ty),
+                 mask=out_mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -186,6 +220,26 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, str
     if HAS_BIAS:
         acc += tl.load(b_ptr + ns, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + ns, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+COUNTERS = 1 << 16  # output tiles a fused split sum can count (an 8B step's split products have at most ~2k)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_sum_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's arrival counters of fused split sums: zeros, and each tile's last program leaves its own at zero,
+    so one buffer serves every product. Products on a device run one after another on its stream (with PDL a kernel
+    touches them only after its wait for the one before, whose last programs reset them), which one buffer needs.
+    None where the tiles do not fit, or the buffer would first be made inside a CUDA-graph capture (the warm-up
+    runs each shape eagerly first): the second kernel sums then."""
+    if tiles > COUNTERS:
+        return None
+    buffer = _counters.get(device)
+    if buffer is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buffer = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buffer
 
 
 # TRITON_INTERPRET=1 at import time makes @triton.jit return an interpreted function instead.
@@ -220,15 +274,16 @@ def skinny_gemm(
     # The interpreter's tl.dot multiplies bf16 tiles' raw storage: widen the operands to fp32 there.
     upcast = _INTERPRETED and x.dtype != torch.float32
     grid = (triton.cdiv(m, bm), splits, triton.cdiv(n, cfg.block_n))
+    counters = _split_sum_counters(x.device, grid[0] * grid[2]) if partial and cfg.fused else None
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, out, m, n, k, k_tiles,
-        x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if partial else 0,
-        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, weight, bias if bias is not None else y, out, y, counters if counters is not None else y,
+        m, n, k, k_tiles, splits, int(counters is not None), x.stride(0), weight.stride(0), out.stride(-2),
+        out.stride(0) if partial else 0, y.stride(0), HAS_BIAS=bias is not None, PARTIAL=partial,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
-    if partial:
+    if partial and counters is None:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(m, triton.cdiv(n, block))](
             out, bias if bias is not None else y, y, n, splits, out.stride(0), out.stride(1), y.stride(0),

@@ -60,6 +60,49 @@ def run_case(kernels, case: str, dtype: torch.dtype, bias: bool) -> None:
     check(out, x, w, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["m16-split2", "m17-split3-ragged-k", "m33-split4-uneven", "m70-two-m-tiles"])
+def test_a_fused_split_sum_gives_the_second_kernels_bits(kernels, case, dtype):
+    """Each tile's last split program sums its partials in split order, as _sum_splits_kernel does: the same bits,
+    and the arrival counters are back at zero for the next product (a CUDA graph replays them as they are)."""
+    from mtpserve.kernels import skinny_gemm as sg
+
+    m, n, k, cfg = CASES[case]
+    x, w, b = make_case(m, n, k, dtype, True, seed=list(CASES).index(case))
+    dev = kernels.device
+    x, w, b = x.to(dev), w.to(dev), b.to(dev)
+    apart = sg.skinny_gemm(x, w, b, sg.SkinnyConfig(*cfg))
+    for _ in range(2):  # the second call finds the counters the first one left
+        fused = sg.skinny_gemm(x, w, b, sg.SkinnyConfig(*cfg, fused=True))
+        assert torch.equal(fused, apart)
+    assert int(sg._counters[x.device].abs().sum()) == 0
+    check(fused.cpu(), x.cpu(), w.cpu(), b.cpu())
+
+
+def test_a_fused_split_sum_too_wide_for_the_counters_takes_the_second_kernel(kernels, monkeypatch):
+    from mtpserve.kernels import skinny_gemm as sg
+
+    m, n, k, cfg = CASES["m16-split2"]  # 64 outputs in strips of 32: 2 tiles
+    x, w, _ = make_case(m, n, k, torch.float32, False, seed=3)
+    dev = kernels.device
+    monkeypatch.setattr(sg, "COUNTERS", 1)
+    launched = []
+    monkeypatch.setattr(sg, "_sum_splits_kernel", _Recording(sg._sum_splits_kernel, launched))
+    check(sg.skinny_gemm(x.to(dev), w.to(dev), config=sg.SkinnyConfig(*cfg, fused=True)).cpu(), x, w, None)
+    assert len(launched) == 1
+
+
+class _Recording:
+    """A kernel whose launches are counted (kernel[grid](...) as Triton's)."""
+
+    def __init__(self, kernel, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 def test_strided_rows_of_x(kernels):
     """x may be a row-strided view (a slice of a wider activation), as long as K is contiguous."""
     from mtpserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
@@ -112,7 +155,11 @@ def test_split_fills_the_sms_and_keeps_k_tiles():
     assert split_for(1, 128256, 4096, 64, 128, 132) == 1  # the LM head fills the GPU by itself
     assert split_for(1, 64, 256, 64, 128, 132) == 1  # too few K tiles to cut
     configs = candidate_configs(1, 4096, 4096, 132)
-    assert len(configs) == len(set(configs)) <= 4 * len(TILES)  # each shape measures them all at start-up
+    assert len(configs) == len(set(configs)) <= 7 * len(TILES)  # each shape measures them all at start-up
+    # each split comes with its sum fused and apart; no split has nothing to sum
+    assert {c for c in configs if c.split > 1} == {c.__class__(*c.as_list()[:5], fused=f) for c in configs
+                                                  if c.split > 1 for f in (False, True)}
+    assert not any(c.fused for c in configs if c.split == 1)
     # 8: twice the 4 that fills the SMs with strips of 64; 2: half of it (the down projection's best, H100)
     assert {c.split for c in configs if c.block_n == 64 and c.block_k == 128} == {1, 2, 4, 8}
     assert {c.split for c in configs if c.block_n == 32} == {1, 2, 4}  # a fill of 2 has no half but 1
