@@ -11,6 +11,12 @@ cell back to back (their order alternating). Auto's chooser runs in full (choice
 learning), but by default every step then runs --k: the two cells do the same steps, and auto / fixed k is
 what auto's bookkeeping costs the host at the same k (on the H200 at c = 256, auto made 0.88-0.91 of fixed
 k = 4's tok/s at the same k, run 231). --free lets auto's choices stand. A diagnosis aid: CPU only.
+
+--host-per-draft-us X makes each step's host spend X us more per draft (in the scheduler's update), a price a
+window of one k cannot show. With --free, 10 us, T = 1-like acceptance (0.66,0.69,0.71,0.5) and c = 8, fixed k = 1
+ran about 20 % faster than k = 3. Cell by cell against it, auto made 0.70-0.80 over 14 cells, at k = 4 and then
+k = 3 (session AE). It drew the price of a draft past the MTP modules from its probes (10-12 us), never the one
+below them. With StepCosts.recursion_prior on it ran k = 1 from its third cell on, at 0.93-1.07.
 """
 
 from __future__ import annotations
@@ -102,6 +108,20 @@ def seed_every_k(engine: LLMEngine, seconds: float = 1e-6) -> None:
                 costs.seed(batch, k, seconds, greedy)
 
 
+def spend_per_draft(engine: LLMEngine, seconds: float) -> None:
+    """Each step's host also spends `seconds` per draft it verified (busy, in the scheduler's update): a host price
+    per draft that no window of one k shows, for the chooser to learn (design §9, session AE)."""
+    update = engine.scheduler.update
+
+    def spending(plan: StepPlan, result: StepResult) -> Any:
+        until = time.perf_counter() + seconds * sum(plan.num_drafts)
+        while time.perf_counter() < until:
+            pass
+        return update(plan, result)
+
+    engine.scheduler.update = spending  # type: ignore[method-assign]
+
+
 def cell(engine: LLMEngine, prompts: list[list[int]], k: int | str, c: int, max_tokens: int, name: str) -> float:
     jobs = [workloads.Job(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k))
             for p in prompts]
@@ -113,6 +133,8 @@ def measure(c: int, args: argparse.Namespace) -> tuple[list[float], list[float],
     engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=c, num_kv_blocks=c * (args.max_tokens // 8 + 16)),
                        InstantExecutor(args.acceptance))
     seed_every_k(engine)
+    if args.host_per_draft_us:
+        spend_per_draft(engine, args.host_per_draft_us * 1e-6)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(*TOKENS, args.prompt_len).tolist() for _ in range(args.requests_per_slot * c)]
     for k in (args.k, "auto"):  # warm-up: the chooser's buckets and the cost lines see this batch first
@@ -134,6 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="the fixed k (and, unless --free, the k auto's steps run)")
     p.add_argument("--free", action="store_true", help="auto's steps run the k it chooses")
     p.add_argument("--acceptance", default="0.84,0.89,0.93,0.9", help="conditional acceptance per draft position")
+    p.add_argument("--host-per-draft-us", type=float, default=0.0, help="each step's host also spends this many us "
+                   "per draft it verified (a host price per draft, which the chooser learns only from windows of two "
+                   "k's; with --free)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -158,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         table.add(str(c), float(np.median(fixed)), float(np.median(auto)), f"{np.median(ratios):.3f}",
                   " ".join(f"{r:.2f}" for r in ratios), " ".join(map(str, choices)), time.perf_counter() - t0)
     notes = ["device costs seeded at every (bucket, k) (1 us), as the GPU engine seeds them from its graphs",
-             f"executor: none (InstantExecutor), acceptance per position {args.acceptance}, prompts of "
+             f"executor: none (InstantExecutor), acceptance per position {args.acceptance}, "
+             f"host per draft {args.host_per_draft_us:g} us, prompts of "
              f"{args.prompt_len} random ids, {args.max_tokens} tokens per request, {args.requests_per_slot} x conc "
              f"requests a cell; rounds alternate which cell runs first"]
     common.report(args, "host_only", common.pick_device("cpu", True), [table], notes)
