@@ -16,7 +16,8 @@ k = 4's tok/s at the same k, run 231). --free lets auto's choices stand. A diagn
 window of one k cannot show. With --free, 10 us, T = 1-like acceptance (0.66,0.69,0.71,0.5) and c = 8, fixed k = 1
 ran about 20 % faster than k = 3. Cell by cell against it, auto made 0.70-0.80 over 14 cells, at k = 4 and then
 k = 3 (session AE). It drew the price of a draft past the MTP modules from its probes (10-12 us), never the one
-below them. With StepCosts.recursion_prior on it ran k = 1 from its third cell on, at 0.93-1.07.
+below them; priced as the one past them (a patch tried then, not kept: design §9), it ran k = 1 from its third
+cell on, at 0.93-1.07.
 """
 
 from __future__ import annotations

@@ -17,10 +17,7 @@ though the ratio moved more than that between runs, whose engines learn their co
 Per variant: its tok/s over all rounds (tokens / seconds, summed), its acceptance length, and auto's tok/s over
 its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). With --budget-s each concurrency gets
 an equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the
-last one's time still fits.
-
---ks may also name `auto-rp`: auto with StepCosts.recursion_prior on (an experiment, off in the engine), whose row
-then reads auto over it. --dump-samples writes every engine's step-cost samples and auto's choices for
+last one's time still fits. --dump-samples writes every engine's step-cost samples and auto's choices for
 replay_costs.py; --phases adds each variant's steps by phase.
 """
 
@@ -59,30 +56,11 @@ def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed:
     return ratio(list(range(n))), resampled[int(0.05 * draws)], resampled[int(0.95 * draws) - 1]
 
 
-# A variant of auto for an A/B in one run: StepCosts.recursion_prior on (a draft below the modules priced as one past
-# them where no window drew its own price; off in the engine by default).
-AUTO_RP = "auto-rp"
-
-
-def parse_variants(text: str) -> list[int | str]:
-    """--ks: draft counts, "auto" and AUTO_RP."""
-    return [part.strip() if part.strip() in (spec_matrix.AUTO, AUTO_RP) else int(part)
-            for part in text.split(",") if part.strip()]
-
-
-def requested_k(variant: int | str) -> int | str:
-    """What a variant's requests ask for as num_speculative_tokens."""
-    return spec_matrix.AUTO if variant == AUTO_RP else variant
-
-
 def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks: list[int | str], c: int) -> dict:
     """An engine per variant (spec_matrix's, with the matrix's engine flags), each with an equal share of the GPU's
     memory."""
-    max_k = max((k for k in ks if isinstance(k, int)), default=0)
-    engines = {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
-    if AUTO_RP in engines and engines[AUTO_RP].adaptive is not None:
-        engines[AUTO_RP].adaptive.costs.recursion_prior = True
-    return engines
+    max_k = max((k for k in ks if k != spec_matrix.AUTO), default=0)
+    return {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
 
 
 PROMPT_POOL = 600  # distinct prompts at most: the stdlib source holds about 650 held-out functions
@@ -144,7 +122,7 @@ def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: i
             break
         began = time.monotonic()
         for k in common.balanced_order(list(engines), r):
-            jobs = spec_matrix.matrix_jobs(args, prompts, requested_k(k), n, args.max_tokens)
+            jobs = spec_matrix.matrix_jobs(args, prompts, k, n, args.max_tokens)
             if log is not None:
                 log.at(f"k={k} c={c}", r)
             if phases is not None:
@@ -193,7 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device, args.tiny)
-    ks, tables, notes = parse_variants(args.ks), [], []
+    ks, tables, notes = common.parse_ks(args.ks), [], []
     concurrency = common.parse_ints(args.concurrency)
     end = None if args.budget_s is None else time.monotonic() + args.budget_s
     log = cost_samples.SampleLog() if args.dump_samples else None
@@ -204,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             first, n = next(iter(engines.values())), cell_size(args, c)
             rounds = round_prompts(args, first.model_config.vocab_size, n)
             for k, engine in engines.items():  # compiles, captures and fills the prefix cache before the clock runs
-                warm = spec_matrix.matrix_jobs(args, rounds[0], requested_k(k), n, args.max_tokens)
+                warm = spec_matrix.matrix_jobs(args, rounds[0], k, n, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
             notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
             for k, engine in engines.items() if log is not None else ():

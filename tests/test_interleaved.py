@@ -81,24 +81,3 @@ def test_phases_sum_each_variants_steps_over_its_rounds(capsys: pytest.CaptureFi
     assert full_steps >= 4 and full_ms > 0  # two cells of 8 requests of 16 tokens, 4 at a time: full steps in each
     prompt_steps = int(cells[2].split(" / ")[0])
     assert prompt_steps >= 2  # each cell's 4 prompts take at least one step
-
-
-def test_auto_rp_is_auto_with_the_recursion_prior_and_is_read_against_auto(capsys: pytest.CaptureFixture[str],
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    assert interleaved.parse_variants("1, auto,auto-rp") == [1, "auto", "auto-rp"]
-    assert [interleaved.requested_k(k) for k in (2, "auto", "auto-rp")] == [2, "auto", "auto"]
-    priors = {}
-    build = interleaved.build_engines
-
-    def recorded(*args: object) -> dict:
-        engines = build(*args)
-        priors.update({k: e.adaptive.costs.recursion_prior for k, e in engines.items()})
-        return engines
-
-    monkeypatch.setattr(interleaved, "build_engines", recorded)
-    assert interleaved.main(["--tiny", "--device", "cpu", "--ks", "auto,auto-rp", "--rounds", "2",
-                             "--no-results"]) == 0
-    assert priors == {"auto": False, "auto-rp": True}
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("MTP")]
-    assert [r[0] for r in rows] == ["MTPauto", "MTPauto-rp"]
-    assert rows[0][6] == "-" and float(rows[1][6]) > 0  # auto over auto-rp, with its interval

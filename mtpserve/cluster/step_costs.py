@@ -67,13 +67,6 @@ class StepCosts:
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
     RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
-    # An experiment, off by default (benchmarks/interleaved.py's "auto-rp" variant turns it on): where a bucket's window
-    # never drew the host's price of a draft below the modules, price such a draft as one past them. Auto's windows
-    # hold the k it dwells on, so that price stayed 0 in every choice at T = 1 on the H200 (design §9, session AE);
-    # one past the modules is drawn by probes. Unmeasured on a GPU: the two prices differ where the last module's
-    # rerun skips per-group host work (run 227 had read one as the other and sent auto to k = 1).
-    recursion_prior = False
-    _drawn_below: frozenset[int] = frozenset()  # buckets whose window drew the price below the modules
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12,
                  modules: int | None = None) -> None:
@@ -362,10 +355,7 @@ class StepCosts:
             self._draw_recursion(b, drawn, min(ks))
         elif drawn is not None:
             self.host_draft_slopes[b] = drawn
-            self._drawn_below = self._drawn_below | {b}
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
-        if self.recursion_prior and recursion is not None and b not in self._drawn_below:
-            per_draft = recursion
         recursion = per_draft if recursion is None else recursion
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.

@@ -365,36 +365,6 @@ def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
     assert flat.host_per_draft(8) > 5e-6 and not flat.knows_recursion(8)  # (scaled down to keep HOST_KEPT)
 
 
-def test_the_recursion_prior_prices_a_draft_below_the_modules_as_one_past_them_until_one_is_drawn() -> None:
-    """StepCosts.recursion_prior (an experiment, off by default): where the bucket's windows drew only the price of a
-    draft past the modules, a draft below them is priced the same, instead of 0; a window of k's below the modules
-    then draws their own price, which takes over. 5 us a draft below the 3 modules, 10 us past them."""
-    def run(prior: bool) -> StepCosts:
-        costs = StepCosts(max_k=4, max_rows=8, modules=3)
-        costs.recursion_prior = prior
-        for i in range(64 + 32 * StepCosts.RECURSION_DRAWS):
-            k = 3 + (i // 8) % 2
-            tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)
-            costs.observe(8, k, 1e-4, host=1e-6 * 8 * (60 + 2 * tokens / 8 + 5 * min(k, 3) + 10 * max(k - 3, 0)),
-                          tokens=tokens)
-            if i >= 63 and i % 32 == 31:  # a choice reads the line: it refits
-                costs.host_draft_prices(8)
-        return costs
-
-    assert run(False).host_draft_prices(8)[:4] == [0.0] * 4
-    costs = run(True)
-    price = costs.host_draft_prices(8)
-    assert price[1] == pytest.approx(10e-6, rel=0.02)  # the recursion's price, in place of 0
-    assert price[:4] == pytest.approx([0.0, price[1], 2 * price[1], 3 * price[1]], rel=1e-9)
-    assert price[4] - price[3] == pytest.approx(10e-6, rel=0.02)
-    for i in range(64):  # a window of k = 2, 3 and 4: the price below the modules is drawn
-        k = 2 + (i // 8) % 3
-        tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)
-        costs.observe(8, k, 1e-4, host=1e-6 * 8 * (60 + 2 * tokens / 8 + 5 * min(k, 3) + 10 * max(k - 3, 0)),
-                      tokens=tokens)
-    assert costs.host_draft_prices(8)[1] == pytest.approx(5e-6, rel=0.02)
-
-
 def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_drifted_in() -> None:
     """k = 4 over 3 modules, a draft costing the host nothing beyond its tokens, and auto probing k = 3 for 8 steps
     once a host window has seen k = 4 alone: in the first probe the host ran 0.6x as long (its speed moves 2x within seconds on the H100's
