@@ -242,6 +242,20 @@ def _split_sum_counters(device: torch.device, tiles: int) -> torch.Tensor | None
     return buffer
 
 
+_placeholders: dict[torch.device, torch.Tensor] = {}
+
+
+def _int32(device: torch.device) -> torch.Tensor:
+    """An int32 tensor for the counters' argument of a call that sums apart: the kernel specialises on its pointers'
+    types, and its fused branch (compiled whatever the runtime flag) must see the counters' int32."""
+    placeholder = _placeholders.get(device)
+    if placeholder is None:
+        placeholder = torch.zeros(1, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _placeholders[device] = placeholder  # one made inside a capture belongs to that graph's pool
+    return placeholder
+
+
 # TRITON_INTERPRET=1 at import time makes @triton.jit return an interpreted function instead.
 _INTERPRETED = not isinstance(_skinny_gemm_kernel, triton.runtime.jit.JITFunction)
 
@@ -276,7 +290,7 @@ def skinny_gemm(
     grid = (triton.cdiv(m, bm), splits, triton.cdiv(n, cfg.block_n))
     counters = _split_sum_counters(x.device, grid[0] * grid[2]) if partial and cfg.fused else None
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, out, y, counters if counters is not None else y,
+        x, weight, bias if bias is not None else y, out, y, counters if counters is not None else _int32(x.device),
         m, n, k, k_tiles, splits, int(counters is not None), x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if partial else 0, y.stride(0), HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
