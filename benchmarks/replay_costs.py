@@ -96,40 +96,40 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
     return out
 
 
-def best(rates: list[float]) -> int:
-    return max(range(len(rates)), key=rates.__getitem__)
-
-
-def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCosts], None]) -> None:
+def compare(records: list[Record], c: int, what_if: Callable[[StepCosts], None]
+            ) -> tuple[int, list[int], dict[str, dict[int, list[float]]], dict[str, list[float]]]:
+    """(full choices, the fixed k's, per k the ratios "engine" and "replay" (priced / real mean lap) and "tokens"
+    (expected / real), per row the real rate of its pick over the round's best) over the choices whose round ran
+    every fixed k."""
     real = real_cells(records, c)
     ks = sorted({k for _, k in real})
-    variant = f"k=auto c={c}"
-    rows = replay(records, variant, c, what_if)
-    ratios_engine: dict[int, list[float]] = defaultdict(list)
-    ratios_replay: dict[int, list[float]] = defaultdict(list)
-    ratios_tokens: dict[int, list[float]] = defaultdict(list)
-    picks = {"engine": [], "replay": []}  # per choice, the real rate of the pick over the best real rate
+    rows = replay(records, f"k=auto c={c}", c, what_if)
+    ratios: dict[str, dict[int, list[float]]] = {name: defaultdict(list) for name in ("engine", "replay", "tokens")}
+    picks: dict[str, list[float]] = {"engine": [], "replay": []}
     for choice, replayed in rows:
         laps = {k: real[(choice["round"], k)] for k in ks if (choice["round"], k) in real}
         if len(laps) < len(ks):
             continue
         tokens = list(accumulate(choice["gains"], initial=choice["base"]))
         real_rate = {k: t / lap for k, (lap, t) in laps.items()}
-        top = max(real_rate.values())
         for k, (lap, made) in laps.items():
-            ratios_engine[k].append(choice["cost"][k] / lap)
-            ratios_replay[k].append(replayed[k] / lap)
-            ratios_tokens[k].append(tokens[k] * c / choice["batch"] / made)
+            ratios["engine"][k].append(choice["cost"][k] / lap)
+            ratios["replay"][k].append(replayed[k] / lap)
+            ratios["tokens"][k].append(tokens[k] / made)  # both a step of the full batch
         for label, row in (("engine", choice["cost"]), ("replay", replayed)):
             pick = max(ks, key=lambda k: tokens[k] / row[k])
-            picks[label].append(real_rate[pick] / top)
-    print(f"c={c}, {name}: {len(rows)} full choices; per k, priced / real mean lap and expected / real tokens a "
+            picks[label].append(real_rate[pick] / max(real_rate.values()))
+    return len(rows), ks, ratios, picks
+
+
+def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCosts], None]) -> None:
+    choices, ks, ratios, picks = compare(records, c, what_if)
+    print(f"c={c}, {name}: {choices} full choices; per k, priced / real mean lap and expected / real tokens a "
           "step (medians over choices)")
     for k in ks:
-        e, p, t = ratios_engine[k], ratios_replay[k], ratios_tokens[k]
-        if e:
-            print(f"  k={k}: lap engine {statistics.median(e):.3f}, replay {statistics.median(p):.3f}; "
-                  f"tokens {statistics.median(t):.3f}")
+        if ratios["engine"][k]:
+            e, p, t = (statistics.median(ratios[name][k]) for name in ("engine", "replay", "tokens"))
+            print(f"  k={k}: lap engine {e:.3f}, replay {p:.3f}; tokens {t:.3f}")
     for label, got in picks.items():
         if got:
             print(f"  {label}'s picks among k={ks}: real rate / best {statistics.mean(got):.3f} (mean), "

@@ -78,3 +78,18 @@ def test_a_one_engine_cell_phases_dump_replays_its_auto_cells(tmp_path: Path, ca
     choices = int(out.split("as-is: ")[1].split()[0])  # auto's full choices at the full batch (timing decides how many)
     assert choices == sum(r["kind"] == "choice" and r["variant"] == "k=auto c=4" and r["batch"] == 4 for r in records)
     assert ("k=2: lap engine" in out) == (choices > 0)  # each priced against the k = 2 cell of its round
+
+
+def test_compare_sets_each_choice_against_its_rounds_fixed_cells() -> None:
+    """A choice that priced k = 1 at 1 ms and k = 2 at 3 ms (with 6 and 9 tokens a step) picks k = 1, where the
+    round's fixed cells ran k = 1 at 2 ms and k = 2 at 1 ms for the same tokens: half the best rate."""
+    start = StepCosts(max_k=2, max_rows=4)
+    state = {"kind": "state", "variant": "k=auto c=4", "costs": base64.b64encode(pickle.dumps(start)).decode()}
+    choice = {"kind": "choice", "variant": "k=auto c=4", "round": 0, "t": 0.0, "batch": 4, "gains": [2.0, 3.0],
+              "base": 4.0, "floor": 0, "cost": [0.5e-3, 1e-3, 3e-3], "current": 2, "chosen": 1}
+    fixed = [_sample("k=1 c=4", 0, 1, 2e-3, 1e-3, 6.0), _sample("k=2 c=4", 0, 2, 1e-3, 0.5e-3, 9.0)]
+    choices, ks, ratios, picks = replay_costs.compare([state, *fixed, choice], 4, lambda costs: None)
+    assert (choices, ks) == (1, [1, 2])
+    assert ratios["engine"][1] == [pytest.approx(0.5)] and ratios["engine"][2] == [pytest.approx(3.0)]
+    assert ratios["tokens"][1] == [pytest.approx(1.0)] and ratios["tokens"][2] == [pytest.approx(1.0)]
+    assert picks["engine"] == [pytest.approx((6 / 2) / (9 / 1))]
