@@ -80,4 +80,4 @@ def test_phases_sum_each_variants_steps_over_its_rounds(capsys: pytest.CaptureFi
     full_steps, full_ms, _ = (float(x) for x in cells[0].split(" / "))
     assert full_steps >= 4 and full_ms > 0  # two cells of 8 requests of 16 tokens, 4 at a time: full steps in each
     prompt_steps = int(cells[2].split(" / ")[0])
-    assert prompt_steps >= 2  # each cell's 4 prompts take at least one step
+    assert prompt_steps >= 2  # each of the two cells starts with a prompt step
