@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                 warm = spec_matrix.matrix_jobs(args, rounds[0], k, n, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
             notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
-            for k, engine in engines.items() if log is not None else ():
-                log.wrap(engine, f"k={k} c={c}")
+            if log is not None:
+                for k, engine in engines.items():
+                    log.wrap(engine, f"k={k} c={c}")
             phases = PhaseSums(engines) if args.phases else None
             tables.append(table_for(run_rounds(args, engines, rounds, c, deadline, log, phases), c))
             if phases is not None:

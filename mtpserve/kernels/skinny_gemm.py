@@ -43,7 +43,7 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     # With a split: the last program of each output tile to finish its K range sums the tile's partials (an arrival
-    # counter per tile) instead of a second kernel. False: _sum_splits_kernel does (see _split_sum_counters).
+    # counter per tile) instead of a second kernel. False: _sum_splits_kernel does (see _counters_of).
     fused: bool = False
 
     def as_list(self) -> list[int]:
@@ -226,34 +226,20 @@ COUNTERS = 1 << 16  # output tiles a fused split sum can count (an 8B step's spl
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _split_sum_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's arrival counters of fused split sums: zeros, and each tile's last program leaves its own at zero,
-    so one buffer serves every product. Products on a device run one after another on its stream (with PDL a kernel
-    touches them only after its wait for the one before, whose last programs reset them), which one buffer needs.
-    None where the tiles do not fit, or the buffer would first be made inside a CUDA-graph capture (the warm-up
-    runs each shape eagerly first): the second kernel sums then."""
-    if tiles > COUNTERS:
-        return None
+def _counters_of(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters of fused split sums (int32 zeros): each tile's last program leaves its own at
+    zero, so one buffer serves every product. Products on a device run one after another on its stream (with PDL a
+    kernel touches them only after its wait for the one before, whose last programs reset them), which one buffer
+    needs. Where the buffer would first be made inside a CUDA-graph capture (the warm-up runs each shape eagerly
+    first), a one-element stand-in of that graph's: a product wider than it sums in the second kernel. Every call
+    passes counters, fused or not: the kernel's fused branch is compiled whatever the runtime flag, and
+    specialises on their int32."""
     buffer = _counters.get(device)
     if buffer is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
+            return torch.zeros(1, dtype=torch.int32, device=device)
         buffer = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return buffer
-
-
-_placeholders: dict[torch.device, torch.Tensor] = {}
-
-
-def _int32(device: torch.device) -> torch.Tensor:
-    """An int32 tensor for the counters' argument of a call that sums apart: the kernel specialises on its pointers'
-    types, and its fused branch (compiled whatever the runtime flag) must see the counters' int32."""
-    placeholder = _placeholders.get(device)
-    if placeholder is None:
-        placeholder = torch.zeros(1, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _placeholders[device] = placeholder  # one made inside a capture belongs to that graph's pool
-    return placeholder
 
 
 # TRITON_INTERPRET=1 at import time makes @triton.jit return an interpreted function instead.
@@ -288,16 +274,17 @@ def skinny_gemm(
     # The interpreter's tl.dot multiplies bf16 tiles' raw storage: widen the operands to fp32 there.
     upcast = _INTERPRETED and x.dtype != torch.float32
     grid = (triton.cdiv(m, bm), splits, triton.cdiv(n, cfg.block_n))
-    counters = _split_sum_counters(x.device, grid[0] * grid[2]) if partial and cfg.fused else None
+    counters = _counters_of(x.device)  # passed whatever the config: the kernel specialises on its pointer's type
+    fused = partial and cfg.fused and grid[0] * grid[2] <= min(COUNTERS, counters.numel())
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, out, y, counters if counters is not None else _int32(x.device),
-        m, n, k, k_tiles, splits, int(counters is not None), x.stride(0), weight.stride(0), out.stride(-2),
+        x, weight, bias if bias is not None else y, out, y, counters,
+        m, n, k, k_tiles, splits, int(fused), x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if partial else 0, y.stride(0), HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
-    if partial and counters is None:
+    if partial and not fused:
         block = min(1024, triton.next_power_of_2(n))
         _sum_splits_kernel[(m, triton.cdiv(n, block))](
             out, bias if bias is not None else y, y, n, splits, out.stride(0), out.stride(1), y.stride(0),
