@@ -12,6 +12,9 @@ shape.
   MTPSERVE_CUBLASLT=on       (default) also measure F.linear with cuBLASLt preferred, and take it where it is
                              fastest; off: cuBLAS and skinny_gemm only (for A/B runs also set
                              MTPSERVE_SKINNY_CACHE empty, since a cache keeps what was measured before)
+  MTPSERVE_SKINNY_FUSED=on   (default) skinny_gemm's split configs also come with the split sum fused into the
+                             GEMM's last program per tile; off: the second kernel sums them (A/B runs, with
+                             MTPSERVE_SKINNY_CACHE empty)
   MTPSERVE_SKINNY_TABLE=path a JSON table written by benchmarks/gemm_benchmark.py (--table-out), loaded
                              at import; entries of another device are ignored
   MTPSERVE_SKINNY_CACHE=path where measured choices persist between starts (default

@@ -22,6 +22,7 @@ M is not specialised (one compile per tile shape, whatever the batch), and which
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,6 +34,9 @@ from mtpserve.kernels import pdl
 from mtpserve.kernels.pdl import wait_previous
 
 MAX_ROWS = 256  # beyond this, a step is not weight-streaming any more: F.linear (cuBLAS) takes it
+# MTPSERVE_SKINNY_FUSED=off leaves the fused split sums out of the candidates (A/B runs; set MTPSERVE_SKINNY_CACHE
+# empty too, since a cache keeps what was measured before).
+FUSED_SPLIT_SUM = os.environ.get("MTPSERVE_SKINNY_FUSED", "on") != "off"
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig
         double = [2 * fill] if fill > 1 and triton.cdiv(k, 2 * fill * bk) >= 4 else []
         half = [fill // 2] if fill >= 4 else []
         for split in sorted({1, *half, fill, *double}):
-            out += [SkinnyConfig(bn, bk, split, warps, stages, fused) for fused in ((False, True) if split > 1 else
-                                                                                   (False,))]
+            fusions = (False, True) if split > 1 and FUSED_SPLIT_SUM else (False,)
+            out += [SkinnyConfig(bn, bk, split, warps, stages, fused) for fused in fusions]
     return out
 
 
