@@ -1,11 +1,12 @@
 """What an engine's step-cost model was fed and what its chooser saw, recorded for offline replay (replay_costs.py).
 
 `SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k. Every
-sample (batch, k, lap, host and device seconds, tokens), every choice (the gains, base, floor and cost row it
-priced, the k it kept or took) and each cost model's state when wrapped (pickled) lands in one list, with the
-variant and round it belongs to and the time. `--dump-samples PATH` in cell_phases.py and interleaved.py writes it
-as JSON: a GPU run's stream can then be priced again on the CPU by another cost model and set against the fixed-k
-cells of the same rounds.
+sample (batch, k, lap, host and device seconds, tokens, the engine's step count), every choice (the gains, base,
+floor and cost row it priced, the k it kept or took) and each cost model's state when wrapped (pickled) lands in
+one list, with the variant and round it belongs to and the time. `--dump-samples PATH` in cell_phases.py and
+interleaved.py writes it as JSON: a GPU run's stream can then be priced again on the CPU by another cost model and
+set against the fixed-k cells of the same rounds (replay_costs.py), or its untimed steps around auto's choices
+counted (choice_windows.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class SampleLog:
 
         def traced(batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
                    tokens: float = 0.0, greedy: bool = True, lap: float = 0.0) -> None:
+            # step: steps the engine has planned so far (untimed steps between two samples show as a jump)
             self._add("sample", batch=batch, k=k, lap=lap, host=host, device=device, tokens=tokens,
-                      overlapped=overlapped, greedy=greedy)
+                      overlapped=overlapped, greedy=greedy, step=engine.scheduler.num_steps)
             observe(batch, k, device, host, overlapped, tokens, greedy, lap)
 
         costs.observe = traced
