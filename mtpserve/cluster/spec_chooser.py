@@ -57,6 +57,11 @@ class AdaptiveConfig:
     # it held every later request at k = 0 for good, though acceptance had risen (simulated, 0.1 a position for
     # eight requests and then 0.8: 0.74 of the best k's rate without probes, 0.96 with them).
     probe_after: int = 256
+    # A probe whose k lost (the next choice went back) doubles the wait before the next probe, up to this many times
+    # probe_after; one whose k won, or a choice that moved on its own, resets it. Each probe is three full choices
+    # and min_dwell steps at a k the chooser did not pick: at T = 1, c = 8 on the H200, where auto held k = 2 and
+    # probed k = 3 every 512 steps, its choices took 1.3 % of a cell (run 292).
+    max_probe_wait: int = 8
     # The MTP modules (None: max_k). A k past them runs the last module again (the chain recurses), so going from
     # such a k to k - 1 and back leaves no module behind to catch up: there the chooser also probes k - 1 for one
     # dwell where a bucket's host line has seen its k alone for a while (see _probe_down).
@@ -115,6 +120,7 @@ class AdaptiveSpec:
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost, config.modules)
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
+        self._probe_wait = 1  # probe_after is multiplied by this (see AdaptiveConfig.max_probe_wait)
         self._chosen = [0] * (config.max_k + 1)  # steps planned at each k (a list: a numpy element += every
         # step cost auto's held step more than the rest of it, inside the engine)
         self._held = config.min_dwell  # steps since the last full choice (the first call makes one)
@@ -209,16 +215,19 @@ class AdaptiveSpec:
             costs = self.costs.costs(batch, [t * scale for t in accumulate(gains, initial=base)], self.greedy)
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
-            current = self.k if self._probed_from < 0 else self._probed_from  # a probe lasts one dwell
+            origin = self._probed_from  # a probe lasts one dwell: the k it left (-1: the last choice was none)
+            current = self.k if origin < 0 else origin
             k = self._explore(choose_k(gains, base, floor, costs, current, self.config.hysteresis), rows.size)
+            self._back_off(origin, current, k)
             probe = self._probe_up(k, gains)
             if probe == k:
                 probe = self._probe_down(k, rows.size, floor)
             self._probed_from = k if probe != k else -1
             k = probe
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
-            # chooser chose every step and auto's step took twice the fixed-k step on the H100).
-            changed, self.k, self._held = k != self.k, k, 0
+            # chooser chose every step and auto's step took twice the fixed-k step on the H100). A return from a
+            # probe to the k it left is no new k: it holds as a kept one does.
+            changed, self.k, self._held = k != self.k and k != origin, k, 0
             # A probe lasts min_dwell steps, whatever the dwell has grown to (up to max_dwell): held for a
             # long dwell, probes every probe_after steps ran a third of a simulated c = 8 at the probed k.
             # So does a new k: it is checked again soon. A k that holds then holds for as long as its choice's
@@ -332,6 +341,15 @@ class AdaptiveSpec:
         c = self.config
         return min(max(math.ceil(choice_seconds / (c.choice_share * step_seconds)), c.min_dwell), c.max_dwell)
 
+    def _back_off(self, origin: int, held: int, k: int) -> None:
+        """After a full choice of k where the k held was `held` and a probe had left `origin` (-1: none): probes wait
+        twice as long once a probe's k lost, up to max_probe_wait times probe_after, and at the base rate again once
+        the choice moves (the probed k won, or acceptance or costs moved it)."""
+        if origin >= 0 and k == origin:
+            self._probe_wait = min(2 * self._probe_wait, self.config.max_probe_wait)
+        elif k != held or origin >= 0:
+            self._probe_wait = 1
+
     def _explore(self, k: int, batch: int) -> int:
         """Staying at k while k - 1 was never timed in this bucket (nor seeded at start): time k - 1 once.
         Going down costs nothing and gives the bucket's cost line a second point; a k extrapolated from
@@ -348,7 +366,7 @@ class AdaptiveSpec:
         t = self.acceptance
         # Within the modules such a probe rewinds every running request to where its module began to lag (a
         # catch-up each): it waits twice as long, for newcomers to take it at no cost (_probe_newcomers).
-        due = self.config.probe_after * (2 if k < self._modules else 1)
+        due = self.config.probe_after * (2 if k < self._modules else 1) * self._probe_wait
         if k != self.k or k >= len(gains) or gains[k] <= 0.0 or t.now - t.drafted_at[k] <= due:
             return k
         t.drafted_at[k] = t.now
@@ -369,7 +387,7 @@ class AdaptiveSpec:
         if k != self.k or k <= self._modules or k - 1 < floor or self.costs.draft_price_moot(batch, k, self.greedy):
             return k
         costs, now, bucket = self.costs, self.acceptance.now, self.costs.bucket(batch)
-        due = self.config.probe_after if costs.knows_recursion(batch) else costs.HOST_WINDOW
+        due = self.config.probe_after * self._probe_wait if costs.knows_recursion(batch) else costs.HOST_WINDOW
         if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now
