@@ -18,17 +18,20 @@ Per variant: its tok/s over all rounds (tokens / seconds, summed), its acceptanc
 its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). With --budget-s each concurrency gets
 an equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the
 last one's time still fits. --dump-samples writes every engine's step-cost samples and auto's choices for
-replay_costs.py; --phases adds each variant's steps by phase.
+replay_costs.py; --phases adds each variant's steps by phase. A variant "auto:FIELD=VALUE[+...]" runs auto with those
+AdaptiveConfig fields changed (an A/B of the chooser beside auto as it is, e.g. auto:max_probe_wait=1).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -56,11 +59,34 @@ def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed:
     return ratio(list(range(n))), resampled[int(0.05 * draws)], resampled[int(0.95 * draws) - 1]
 
 
+def parse_variants(text: str) -> list[int | str]:
+    """--ks: draft counts, "auto", and auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields)."""
+    return [part if part.startswith(spec_matrix.AUTO) else int(part) for part in map(str.strip, text.split(",")) if part]
+
+
+def speculation(variant: int | str) -> int | str:
+    """The requests' num_speculative_tokens in a variant's cells: "auto" for every auto variant."""
+    return spec_matrix.AUTO if str(variant).startswith(spec_matrix.AUTO) else variant
+
+
+def tune(engine: Any, variant: int | str) -> None:
+    """An auto variant's AdaptiveConfig overrides, set on its engine's chooser (ints, else floats)."""
+    if not str(variant).startswith(spec_matrix.AUTO + ":"):
+        return
+    fields = dict(item.split("=") for item in str(variant).split(":", 1)[1].split("+"))
+    chooser = engine.adaptive
+    chooser.config = dataclasses.replace(chooser.config, **{name: float(value) if "." in value else int(value)
+                                                            for name, value in fields.items()})
+
+
 def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks: list[int | str], c: int) -> dict:
     """An engine per variant (spec_matrix's, with the matrix's engine flags), each with an equal share of the GPU's
     memory."""
-    max_k = max((k for k in ks if k != spec_matrix.AUTO), default=0)
-    return {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
+    max_k = max((k for k in ks if isinstance(k, int)), default=0)
+    engines = {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
+    for k, engine in engines.items():
+        tune(engine, k)
+    return engines
 
 
 PROMPT_POOL = 600  # distinct prompts at most: the stdlib source holds about 650 held-out functions
@@ -122,7 +148,7 @@ def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: i
             break
         began = time.monotonic()
         for k in common.balanced_order(list(engines), r):
-            jobs = spec_matrix.matrix_jobs(args, prompts, k, n, args.max_tokens)
+            jobs = spec_matrix.matrix_jobs(args, prompts, speculation(k), n, args.max_tokens)
             if log is not None:
                 log.at(f"k={k} c={c}", r)
             if phases is not None:
@@ -171,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = common.pick_device(args.device, args.tiny)
-    ks, tables, notes = common.parse_ks(args.ks), [], []
+    ks, tables, notes = parse_variants(args.ks), [], []
     concurrency = common.parse_ints(args.concurrency)
     end = None if args.budget_s is None else time.monotonic() + args.budget_s
     log = cost_samples.SampleLog() if args.dump_samples else None
@@ -182,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             first, n = next(iter(engines.values())), cell_size(args, c)
             rounds = round_prompts(args, first.model_config.vocab_size, n)
             for k, engine in engines.items():  # compiles, captures and fills the prefix cache before the clock runs
-                warm = spec_matrix.matrix_jobs(args, rounds[0], k, n, args.max_tokens)
+                warm = spec_matrix.matrix_jobs(args, rounds[0], speculation(k), n, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
             notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
             if log is not None:

@@ -37,6 +37,26 @@ def test_a_tiny_run_reports_every_variant_against_auto(capsys: pytest.CaptureFix
     assert float(rows[0][6]) > 0 and rows[1][6] == "-"
 
 
+def test_an_auto_variant_runs_auto_with_its_config_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert interleaved.parse_variants("1, auto,auto:max_probe_wait=1+hysteresis=0.02") == [
+        1, "auto", "auto:max_probe_wait=1+hysteresis=0.02"]
+    assert [interleaved.speculation(v) for v in (2, "auto", "auto:hysteresis=0.1")] == [2, "auto", "auto"]
+    built = {}
+    build = interleaved.build_engines
+
+    def keep(*args, **kwargs):  # the engines as built, for their choosers' configs
+        built.update(build(*args, **kwargs))
+        return built
+
+    monkeypatch.setattr(interleaved, "build_engines", keep)
+    assert interleaved.main(["--tiny", "--device", "cpu", "--ks", "auto,auto:max_probe_wait=1+hysteresis=0.02",
+                             "--rounds", "2", "--no-results"]) == 0
+    plain, tuned = (built[v].adaptive for v in ("auto", "auto:max_probe_wait=1+hysteresis=0.02"))
+    assert (plain.config.max_probe_wait, plain.config.hysteresis) != (1, 0.02)
+    assert (tuned.config.max_probe_wait, tuned.config.hysteresis) == (1, 0.02)
+    assert tuned.chosen.sum() > 0  # its requests ran as "auto": the chooser chose their steps
+
+
 def test_rounds_past_the_prompt_pool_reuse_its_rounds() -> None:
     args = interleaved.parse_args(["--tiny", "--workload", "random", "--rounds", "5", "--requests-per-cell", "256"])
     rounds = interleaved.round_prompts(args, vocab=100, n=interleaved.cell_size(args, 128))
