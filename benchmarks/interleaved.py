@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -40,6 +39,7 @@ import common  # noqa: E402
 import cost_samples  # noqa: E402
 import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
+from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 from common import Table  # noqa: E402
 
 import torch  # noqa: E402
@@ -69,14 +69,26 @@ def speculation(variant: int | str) -> int | str:
     return spec_matrix.AUTO if str(variant).startswith(spec_matrix.AUTO) else variant
 
 
-def tune(engine: Any, variant: int | str) -> None:
-    """An auto variant's AdaptiveConfig overrides, set on its engine's chooser (ints, else floats)."""
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def tune(engine: LLMEngine, variant: int | str) -> None:
+    """An auto variant's AdaptiveConfig overrides, set on its engine's chooser (AdaptiveSpec.config: what the chooser
+    reads there, not the acceptance table's copy)."""
     if not str(variant).startswith(spec_matrix.AUTO + ":"):
         return
-    fields = dict(item.split("=") for item in str(variant).split(":", 1)[1].split("+"))
-    chooser = engine.adaptive
-    chooser.config = dataclasses.replace(chooser.config, **{name: float(value) if "." in value else int(value)
-                                                            for name, value in fields.items()})
+    items = str(variant).split(":", 1)[1].split("+")
+    if not all(item.count("=") == 1 for item in items):
+        raise SystemExit(f"--ks: {variant!r}: an auto variant is auto:FIELD=VALUE[+FIELD=VALUE...]")
+    fields = {name: _number(value) for name, value in (item.split("=") for item in items)}
+    known = {f.name for f in dataclasses.fields(engine.adaptive.config)}
+    if not fields.keys() <= known:
+        raise SystemExit(f"--ks: {variant!r}: AdaptiveConfig has no field {sorted(fields.keys() - known)}")
+    engine.adaptive.config = dataclasses.replace(engine.adaptive.config, **fields)
 
 
 def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks: list[int | str], c: int) -> dict:

@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import interleaved  # noqa: E402
 
+from mtpserve.cluster.spec_chooser import AdaptiveConfig  # noqa: E402
+
 
 def test_a_steady_ratio_has_no_spread() -> None:
     auto = [(200, 1.0, 2.0), (100, 0.5, 2.0), (300, 1.5, 2.0)]  # 200 tok/s in every round
@@ -55,6 +57,16 @@ def test_an_auto_variant_runs_auto_with_its_config_changed(monkeypatch: pytest.M
     assert (plain.config.max_probe_wait, plain.config.hysteresis) != (1, 0.02)
     assert (tuned.config.max_probe_wait, tuned.config.hysteresis) == (1, 0.02)
     assert tuned.chosen.sum() > 0  # its requests ran as "auto": the chooser chose their steps
+
+
+@pytest.mark.parametrize("variant, message", [("auto:hysteresis", "auto:FIELD=VALUE"),
+                                               ("auto:no_such_field=1", "no field ['no_such_field']")])
+def test_a_malformed_auto_variant_is_refused_with_what_is_wrong(variant: str, message: str) -> None:
+    engine = SimpleNamespace(adaptive=SimpleNamespace(config=AdaptiveConfig(max_k=2, max_rows=1)))
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
+        interleaved.tune(engine, variant)
+    interleaved.tune(engine, "auto:hysteresis=0.5+min_dwell=3")
+    assert (engine.adaptive.config.hysteresis, engine.adaptive.config.min_dwell) == (0.5, 3)
 
 
 def test_rounds_past_the_prompt_pool_reuse_its_rounds() -> None:
