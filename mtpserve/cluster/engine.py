@@ -167,6 +167,8 @@ class LLMEngine:
         if self._in_flight is None:
             self._in_flight = self._launch(self.scheduler.schedule)
         following = self._launch_overlapped()
+        if self.adaptive is not None:  # the chooser's share of the next full choice, ahead of the wait (prepare_due)
+            self.adaptive.prepare_due()
         done, self._in_flight = self._in_flight, following
         result = done.handle if isinstance(done.handle, StepResult) else self._timed(1, self.executor.wait, done.handle)
         # With async scheduling a lap is one step's period only inside an unbroken pipeline: a step launched

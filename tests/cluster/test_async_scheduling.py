@@ -14,6 +14,7 @@ import pytest
 from mtpserve import LLM, SamplingParams
 from mtpserve.cluster.block_manager import KVBlockManager
 from mtpserve.cluster.engine import LLMEngine
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from tests.checkpoints import make_hf_checkpoint
 from tests.conftest import prompts_of
 
@@ -117,3 +118,20 @@ def test_an_overlapped_plan_dropped_for_lack_of_blocks_allocates_none() -> None:
     assert blocks.tables == {} and all(pool.num_free == 4 for pool in blocks.pools)
     grown = blocks.allocate_all([("a", [8, 8]), ("b", [8, 4])])
     assert [[len(g) for g in per_request] for per_request in grown] == [[2, 2], [2, 1]]
+
+
+def test_the_choosers_piece_of_a_due_choice_runs_after_the_launch_and_before_the_wait(
+        worded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fold, refit and cost parts ahead of a full choice (AdaptiveSpec.prepare_due) run once the step is launched:
+    where the device is the slower, the host's wait for the step in flight takes them in."""
+    llm = LLM(str(worded), num_speculative_tokens="auto", async_scheduling=True, dtype="float32")
+    engine, events = llm.engine, []
+    submit, wait, prepare = engine.executor.submit, engine.executor.wait, AdaptiveSpec._prepare
+    monkeypatch.setattr(engine.executor, "submit", lambda plan: (events.append("launch"), submit(plan))[1])
+    monkeypatch.setattr(engine.executor, "wait", lambda handle: (events.append("wait"), wait(handle))[1])
+    monkeypatch.setattr(AdaptiveSpec, "_prepare", lambda self, *a: (events.append("prepare"), prepare(self, *a))[1])
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    llm.generate(prompts_of(97, [5, 8, 3, 12], seed=2), params)
+    at = [i for i, e in enumerate(events) if e == "prepare"]
+    assert len(at) >= 3
+    assert all(events[i - 1] == "launch" and events[i + 1] == "wait" for i in at), events

@@ -453,7 +453,10 @@ def test_a_full_choice_folds_and_fits_in_the_steps_before_it(monkeypatch: pytest
     for _ in range(200):
         work.clear()
         k = spec.choose(rows)
+        chose_alone = tuple(work)  # what the call did before the step's launch
+        spec.prepare_due()  # as the engine does once the step is launched
         steps.append((spec.choosing, tuple(work)))
+        assert chose_alone == () or spec.choosing  # a held step's piece waits for prepare_due
         accepted = int(rng.integers(0, k + 1))
         spec.acceptance.observe(rows, np.array([k]), np.array([accepted]))
         spec.costs.observe(1, k, 1e-6 * (300 + 10 * k), host=1e-6 * (200 + 5 * accepted), overlapped=True,
