@@ -140,7 +140,8 @@ class AdaptiveSpec:
         self._probed_down_at: dict[int, int] = {}  # per bucket, the step of its last probe below k
         self._newcomers_of: dict[int, tuple[int, int]] = {}  # per bucket, the last newcomers' choice: (k, step)
         self._flushed_at = -(10**9)  # the step whose _prepare folded the observations ahead of a due choice (never)
-        self._due: tuple[int, int] | None = None  # (steps until the full choice, batch) for prepare_due
+        self._due: tuple[int, int, np.ndarray] | None = None  # (steps to the full choice, batch, rows): prepare_due
+        self._priced: tuple | None = None  # (rows, (batch, greedy, step), prices) taken one step ahead of a choice
         self._prepared_seconds = 0.0  # host seconds the due choice's work took in the steps before it
         self._spent = 0.0  # host seconds of choices and their preparation since the engine last took them
 
@@ -209,11 +210,11 @@ class AdaptiveSpec:
         if self._held >= self.dwell or (moved and (self._held >= self.config.min_dwell or moved >= 2)):
             self._bucket = bucket
             t0 = time.perf_counter()
-            # Folded at most three steps ago by _prepare: those estimates (a choice taken early or late, when the
-            # batch moved buckets, folds now).
-            gains, base, floor = t.fold(rows, flush=t.now - self._flushed_at > 3)
-            scale = batch / rows.size  # priced as many tokens per request as the running rows emit
-            costs = self.costs.costs(batch, [t * scale for t in accumulate(gains, initial=base)], self.greedy)
+            priced, self._priced = self._priced, None
+            if priced is not None and priced[0] is rows and priced[1] == (batch, self.greedy, t.now - 1):
+                gains, base, floor, costs = priced[2]  # priced by the step before, once launched (_prepare)
+            else:
+                gains, base, floor, costs = self._price(rows, batch)
             # Explored where its samples will land: the running rows' bucket (waiting requests that cannot be
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
             origin = self._probed_from  # a probe lasts one dwell: the k it left (-1: the last choice was none)
@@ -243,7 +244,7 @@ class AdaptiveSpec:
             self._prepared_seconds = 0.0
             self._remember()
         elif self.dwell - self._held <= 3:
-            self._due = (self.dwell - self._held, batch)  # see prepare_due
+            self._due = (self.dwell - self._held, batch, rows)  # see prepare_due
         self._chosen[self.k] += 1
         return self.k
 
@@ -255,9 +256,20 @@ class AdaptiveSpec:
             due, self._due = self._due, None
             self._prepare(*due)
 
-    def _prepare(self, due_in: int, batch: int) -> None:
+    def _price(self, rows: np.ndarray, batch: int) -> tuple[list[float], float, int, np.ndarray]:
+        """A full choice's (gains, base, floor) for these rows and its cost row at this batch."""
+        t = self.acceptance
+        # Folded at most three steps ago by _prepare: those estimates (a choice taken early or late, when the batch
+        # moved buckets, folds now).
+        gains, base, floor = t.fold(rows, flush=t.now - self._flushed_at > 3)
+        scale = batch / rows.size  # priced as many tokens per request as the running rows emit
+        return gains, base, floor, self.costs.costs(batch, [g * scale for g in accumulate(gains, initial=base)],
+                                                    self.greedy)
+
+    def _prepare(self, due_in: int, batch: int, rows: np.ndarray) -> None:
         """A piece of the full choice due in `due_in` steps, in each of the three steps before it: the queued
-        observations folded, the host line fitted again where due, the cost parts taken. An overlapped step leaves
+        observations folded, the host line fitted again where due, the rows priced (the choice takes the prices where
+        its rows, batch and sampling mode are still those and it comes in the next step). An overlapped step leaves
         the host some slack while the device runs (at c = 1 on the H200, a host share of 0.25 ms in 0.33 ms laps),
         and a choice made whole overran it: inside the engine there a fold took about 0.1 ms, a refit 0.1-0.2
         and the costs 0.17-0.32, and the laps that chose ran 1.0-1.2 ms against a median of 0.39-0.45, auto
@@ -270,8 +282,8 @@ class AdaptiveSpec:
             self._flushed_at = self.acceptance.now
         elif due_in == 2:
             self.costs.refit(batch)
-        elif due_in == 1:
-            self.costs.prepare(batch, self.greedy)
+        elif due_in == 1 and rows.size:
+            self._priced = (rows, (batch, self.greedy, self.acceptance.now), self._price(rows, batch))
         spent = time.perf_counter() - t0
         self._prepared_seconds += spent  # the choice's cost, which paces the dwell
         self._spent += spent

@@ -112,7 +112,6 @@ class StepCosts:
         self.k_seen = [[0] * (max_k + 1) for _ in range(nb)]  # per (bucket, k): host_samples at its last sample
         # (greedy, bucket, k) that ran only laps where the device idled: timed, though the device's cell has no sample
         self._idle_timed: set[tuple[bool, int, int]] = set()
-        self._prepared: tuple | None = None  # (batch, greedy, host samples then, parts): see prepare
 
     def bucket(self, batch: int) -> int:
         return self._bucket_of[min(batch, len(self._bucket_of) - 1)]
@@ -171,7 +170,7 @@ class StepCosts:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
         (None: the host's share as it is now at every k; a unitless prior before any timing). refit=False: the
         host line as last fitted, even where a refit is due (newcomers' choices, whose prefill step runs alone)."""
-        device, fit, gaps = self._parts(batch, greedy, refit)
+        device, fit, gaps = self._fresh_parts(batch, greedy, refit)
         if tokens is None:
             host, spread = [fit[3]] * len(device), [1.0]
         else:
@@ -187,20 +186,6 @@ class StepCosts:
         b = self._sampled_bucket(batch)
         if b is not None:
             self._refit(b)
-
-    def prepare(self, batch: int, greedy: bool = True) -> None:
-        """Take what costs() reads for this batch and mode (the device's row, the host line as it is now, the
-        gaps) a step ahead of a full choice: the choice's costs() uses them once, if the bucket has taken at
-        most one sample since (the step in flight's)."""
-        self._prepared = (batch, greedy, self.host_samples[self.bucket(batch)], self._fresh_parts(batch, greedy))
-
-    def _parts(self, batch: int, greedy: bool, refit: bool = True) -> tuple[list[float], tuple, list[float]]:
-        """(device row, host fit, gaps) for costs(): those prepare() took, where they still hold, else new."""
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[:2] == (batch, greedy) \
-                and self.host_samples[self.bucket(batch)] - prepared[2] <= 1:
-            return prepared[3]
-        return self._fresh_parts(batch, greedy, refit)
 
     def _fresh_parts(self, batch: int, greedy: bool, refit: bool = True) -> tuple[list[float], tuple, list[float]]:
         return self._device(batch, greedy), self._host_fit(batch, refit), self._gaps(batch)

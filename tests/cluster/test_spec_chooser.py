@@ -193,3 +193,33 @@ def test_one_request_at_a_time_keeps_its_k_through_runs_of_rejections() -> None:
     are paced every min_dwell steps, the unshrunk estimate holds in this simulation too, 0.99 of the best.)"""
     shrunk = [_one_at_a_time(AdaptiveConfig.prior_strength, seed) for seed in range(5, 9)]
     assert min(shrunk) >= 0.98, shrunk
+
+
+def test_a_choice_takes_the_prices_of_the_step_before_it_while_its_rows_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fold and cost row of a due choice are taken by the step before it once launched (prepare_due), where the
+    host may be waiting for the device; the choice prices anew only where its running set changed since."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=8, probe_after=10**6))
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.full((K, 4), 0.7))
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1e-3 * (1 + 0.1 * k))
+    priced: list[int] = []
+    price = AdaptiveSpec._price
+    monkeypatch.setattr(AdaptiveSpec, "_price", lambda self, r, b: (priced.append(1), price(self, r, b))[1])
+
+    def step(running: np.ndarray) -> tuple[bool, int, int]:
+        """(whether the call chose, prices taken by the call, then by prepare_due)"""
+        n = len(priced)
+        spec.choose(running)
+        in_choice = len(priced) - n
+        spec.prepare_due()
+        return spec.choosing, in_choice, len(priced) - n - in_choice
+
+    log = [step(rows) for _ in range(33)]
+    chose = [i for i, (choosing, _, _) in enumerate(log) if choosing]
+    assert chose == [0, 8, 16, 24, 32]
+    assert all(log[i][1] == 0 and log[i - 1][2] == 1 for i in chose[1:])  # priced the step before
+    assert sum(p for _, _, p in log) == len(chose) - 1
+    log = [step(rows) for _ in range(7)]  # up to the step before the next choice, which prices
+    assert log[-1][2] == 1
+    assert step(rows.copy()) == (True, 1, 0)  # another running set: the choice prices its own rows

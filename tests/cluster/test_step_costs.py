@@ -464,22 +464,6 @@ def _overlapped(costs: StepCosts, batch: int, k: int, host: float, device: float
         costs.observe(batch, k, device, host=host, overlapped=True, tokens=batch * (1.0 + k), lap=max(host, device))
 
 
-def test_prepared_parts_serve_one_choice_and_only_while_fresh() -> None:
-    costs = StepCosts(K, 8)
-    _overlapped(costs, 1, 4, host=250e-6, device=330e-6, n=40)
-    tokens = [1.0, 1.9, 2.7, 3.4, 4.1]
-    fresh = costs.costs(1, tokens)
-    costs.prepare(1)
-    _overlapped(costs, 1, 4, host=250e-6, device=330e-6, n=1)  # the step in flight's sample
-    np.testing.assert_allclose(costs.costs(1, tokens), fresh, rtol=1e-9)
-    assert costs._prepared is None  # used once
-    costs.prepare(1)
-    _overlapped(costs, 1, 4, host=900e-6, device=330e-6, n=2)  # two samples on: taken anew, with the slow ones
-    anew = costs.costs(1, tokens)
-    assert anew[4] > fresh[4]
-    np.testing.assert_allclose(costs.costs(1, tokens), anew, rtol=1e-12)
-
-
 def test_a_draft_price_is_moot_where_the_host_waits_for_the_device_at_k_and_k_minus_1() -> None:
     costs = StepCosts(K, 8)
     for k in range(K + 1):
