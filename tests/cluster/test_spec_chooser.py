@@ -223,3 +223,24 @@ def test_a_choice_takes_the_prices_of_the_step_before_it_while_its_rows_hold(mon
     log = [step(rows) for _ in range(7)]  # up to the step before the next choice, which prices
     assert log[-1][2] == 1
     assert step(rows.copy()) == (True, 1, 0)  # another running set: the choice prices its own rows
+
+
+def test_a_piece_left_by_a_call_and_not_run_before_the_next_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where two steps are planned before the engine's prepare_due (the pipeline starting again), the first call's
+    piece is not run after the second: priced after the choice it served, it would be work for nothing."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=8, probe_after=10**6))
+    rows = np.array([spec.admit(K, True) for _ in range(4)])
+    spec.acceptance.set(rows, np.full((K, 4), 0.7))
+    for k in range(K + 1):
+        spec.costs.seed(4, k, 1e-3 * (1 + 0.1 * k))
+    for _ in range(7):  # the first call chooses, the next six hold (a dwell of 8)
+        spec.choose(rows)
+        spec.prepare_due()
+    priced: list[int] = []
+    price = AdaptiveSpec._price
+    monkeypatch.setattr(AdaptiveSpec, "_price", lambda self, r, b: (priced.append(1), price(self, r, b))[1])
+    spec.choose(rows)  # the eighth call leaves the pricing of the ninth's choice ...
+    spec.choose(rows)  # ... but the ninth comes first and prices its own rows
+    assert spec.choosing and priced == [1]
+    spec.prepare_due()
+    assert priced == [1]
