@@ -65,7 +65,7 @@ import torch  # noqa: E402
 
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
-from mtpserve.cluster.spec_chooser import expected_tokens  # noqa: E402
+from mtpserve.cluster.spec_rate import expected_tokens  # noqa: E402
 from mtpserve.sampling_params import SamplingParams  # noqa: E402
 
 

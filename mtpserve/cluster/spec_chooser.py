@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from mtpserve.cluster.acceptance import AcceptanceTable
+from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.step_costs import StepCosts
 
 
@@ -74,32 +75,6 @@ class AdaptiveConfig:
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
     # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
     choice_share: float = 0.01
-
-
-def expected_tokens(p: np.ndarray) -> np.ndarray:
-    """p [R, K] conditional acceptance per position -> [R, K + 1]: E[tokens emitted | k drafts] for k = 0..K,
-    i.e. 1 + sum_{j <= k} prod_{i <= j} p_i (the readable form of what AcceptanceTable keeps per row)."""
-    return np.concatenate((np.ones((p.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(p, axis=1), axis=1)), axis=1)
-
-
-def choose_k(gains: Sequence[float], base: float, floor: int, cost: Sequence[float], current: int,
-             hysteresis: float = 0.0) -> int:
-    """The step's k in 0..K maximising expected tokens per second of the batch.
-
-    gains [K]: summed over the adaptive requests, the expected extra tokens of draft position j + 1 (zero
-    past a request's cap); base: tokens the step emits whatever k is (one per request plus the fixed
-    requests' accepted drafts); floor: the largest fixed request's k (the step runs at least that);
-    cost [K + 1]: seconds (or any proportional unit) of a step at each k. `current` stays unless another
-    k beats it by the fraction `hysteresis`. Plain Python over K + 1 floats (numpy calls on this cold path
-    cost several microseconds each inside the engine).
-    """
-    cost = cost.tolist() if isinstance(cost, np.ndarray) else cost
-    tokens = list(accumulate(gains[: len(cost) - 1], initial=base))
-    rate = [t / cost[max(k, floor)] for k, t in enumerate(tokens)]
-    best = max(range(len(rate)), key=rate.__getitem__)  # the first of equal rates, as argmax
-    if 0 <= current < len(rate) and rate[best] <= rate[current] * (1.0 + hysteresis):
-        return current
-    return best
 
 
 class _Held(NamedTuple):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec, choose_k, expected_tokens
+from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.spec_rate import choose_k, expected_tokens
 from tests.cluster.chooser_sim import COSTS, K, serve_step, spec_with
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mtpserve.cluster.device_costs import DeviceCosts, _line_fit
-from mtpserve.cluster.spec_chooser import choose_k
+from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.host_fits import host_slope, host_slopes, means_of_max
 from mtpserve.cluster.step_costs import StepCosts
 
