@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Table, check, gb  # noqa: E402
 from lean_step import LeanStep  # noqa: E402
-from step_profile import draft_profile_table, profile_table  # noqa: E402
+from step_profile import dispatch_table, draft_profile_table, profile_table  # noqa: E402
 from step_windows import draft_position_ms, verify_window_ms  # noqa: E402
 from mtpserve.kernels import linear_dispatch, pdl  # noqa: E402
 import numpy as np  # noqa: E402
@@ -363,13 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                                 draft / floor_ms, overlapped, overlapped / floor_ms)
                 print(f"[{mode}] batch {batch:3d} one draft position: {draft:.3f} ms, floor {floor_ms:.3f} ms")
 
-    for key, choice in sorted(linear_dispatch.table().items()):  # which GEMM each shape ran, for the profile
-        if not choice.config:  # no memory to measure it, or no config fits: cuBLAS
-            print(f"dispatch {key}: not measured -> cuBLAS")
-            continue
-        print(f"dispatch {key}: skinny {choice.skinny_us:.1f} us {choice.config}, cuBLAS {choice.cublas_us:.1f} us, "
-              f"cuBLASLt {choice.cublaslt_us:.1f} us -> {choice.route}")
     tables, profile_notes = [table, lean_table] + ([window_table, draft_table] if len(model.mtp) else []), []
+    if linear_dispatch.table():  # which GEMM each shape ran and how near its floor, for the profile
+        tables.append(dispatch_table(bw))
     if args.profile_steps > 0:
         driver.prefill(args.profile_batch, args.profile_k, args.context, args.prefill_tokens)
         for _ in range(args.warmup):

@@ -9,6 +9,8 @@ import common
 from common import Table
 import torch
 
+from mtpserve.kernels import linear_dispatch
+
 if TYPE_CHECKING:
     from step_benchmark import Driver
 
@@ -84,3 +86,27 @@ def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top:
         us = sum(u for u, _ in mine)
         t.add(f"[all {cls}]", us / steps / 1e3, f"{100 * us / total:.1f}", f"{sum(n for _, n in mine) / steps:g}")
     return t
+
+
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def dispatch_table(bandwidth: float) -> Table:
+    """Each GEMM product the linear dispatch measured (in a captured step's conditions, linear_dispatch.measure): the
+    route it takes, that route's time and its share of the floor, the weight's bytes at the copy bandwidth (bytes
+    a second). Which product holds a step's GEMMs back, shape by shape (issue 12's attribution)."""
+    t = Table("GEMM products as the linear dispatch measured them: the route taken, its time, and the floor (the "
+              "weight's bytes at the copy bandwidth) over it",
+              ["rows", "N", "K", "route", "us", "floor us", "floor / us", "skinny us", "cuBLAS us", "cuBLASLt us"])
+    shapes = []
+    for key, choice in linear_dispatch.table().items():
+        _, dtype, rows, n, k = key.split("|")
+        shapes.append((int(rows[1:]), int(n[1:]), int(k[1:]), ELEMENT_BYTES.get(dtype, 2), choice))
+    for rows, n, k, size, choice in sorted(shapes, key=lambda s: s[:3]):
+        route = linear_dispatch.route_taken(choice) if choice.config else "cublas"
+        us = {"skinny": choice.skinny_us, linear_dispatch.CUBLASLT: choice.cublaslt_us}.get(route, choice.cublas_us)
+        floor_us = n * k * size / bandwidth * 1e6
+        t.add(str(rows), str(n), str(k), route, us, floor_us, floor_us / us, choice.skinny_us, choice.cublas_us,
+              choice.cublaslt_us)
+    return t
+

@@ -246,10 +246,15 @@ def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         _persist()
     if choice is None:  # first seen inside a capture (nothing compiled)
         return None
-    if _mode == "on":
-        return choice.config or None
-    route = choice.route_among(cublaslt=_cublaslt_allowed())
+    route = route_taken(choice)
     return choice.config if route == "skinny" else CUBLASLT if route == CUBLASLT else None
+
+
+def route_taken(choice: Choice) -> str:
+    """'skinny', CUBLASLT or 'cublas': where the dispatch sends a measured shape in the current mode."""
+    if _mode == "on":
+        return "skinny" if choice.config else "cublas"
+    return choice.route_among(cublaslt=_cublaslt_allowed()) if _mode == "auto" else "cublas"
 
 
 def _cublaslt_allowed() -> bool:
