@@ -8,8 +8,9 @@ A full choice does its work in the step that makes it and, a piece each, in the 
 (AdaptiveSpec._prepare). The engine learns no step cost from a lap that carried much of that work, so those steps are
 missing from the samples. Between two timed steps of the full batch at the same k, a stretch of m untimed steps
 took `seconds`; at the lap of the steps around it (their median) it would have taken m laps. Per variant this
-sums the stretches that held a choice and, apart, those that did not (steps with prompt chunks, a capture: what
-every variant has), and sets the time beyond m laps against the variant's whole time in its cells.
+sums the stretches that held a choice and no request's admission (whose prompt step costs more than a lap) and,
+apart, those that held no choice (prompt steps, a capture: what every variant has), and sets the time beyond m laps
+against the variant's whole time in its cells.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Stretch(NamedTuple):
     """Untimed steps between two timed full-batch steps at the same k."""
 
     chose: bool  # a choice was made within it
+    admitted: bool  # a request was admitted within it (its prompt step is among the steps)
     steps: int
     seconds: float
     lap: float  # the median lap of the timed steps around it
@@ -61,7 +63,8 @@ def stretches(records: list[Record], variant: str, c: int) -> list[Stretch]:
             around = [s["lap"] for s in samples[max(i - NEIGHBOURS, 0): i + NEIGHBOURS]
                       if s["batch"] == c and s["k"] == a["k"]]
             chose = any(a["t"] < t < b["t"] for t in choices)
-            out.append(Stretch(chose, steps, b["t"] - b["lap"] - a["t"], statistics.median(around)))
+            admitted = b.get("admitted", 0) != a.get("admitted", 0)  # dumps before the count: none seen
+            out.append(Stretch(chose, admitted, steps, b["t"] - b["lap"] - a["t"], statistics.median(around)))
     return out
 
 
@@ -76,15 +79,17 @@ def cell_seconds(records: list[Record], variant: str) -> float:
 
 
 def summary(records: list[Record], variant: str, c: int) -> dict[str, float]:
-    """Per kind of stretch ("choice", "other"): stretches, steps, extra seconds, extra laps per stretch and the
-    extra's share of the variant's cell time; and "choices" per cell."""
+    """Per kind of stretch ("choice": a choice and no prompt step, what the choices cost; "other": no choice):
+    stretches, steps, extra seconds, extra laps per stretch and the extra's share of the variant's cell time; and
+    "choices" per cell. Stretches that hold both a choice and a prompt step (at c = 1 a newcomer's choice is made in
+    its prompt step) are in neither."""
     found = stretches(records, variant, c)
     total = cell_seconds(records, variant)
     rounds = {r["round"] for r in records if r["variant"] == variant and r["kind"] == "sample"}
     out: dict[str, float] = {"choices per cell": sum(r["kind"] == "choice" and r["variant"] == variant
                                                      for r in records) / max(len(rounds), 1)}
-    for kind, chose in (("choice", True), ("other", False)):
-        mine = [s for s in found if s.chose == chose]
+    for kind, mine in (("choice", [s for s in found if s.chose and not s.admitted]),
+                       ("other", [s for s in found if not s.chose])):
         extra = sum(s.extra for s in mine)
         out.update({f"{kind} stretches": len(mine), f"{kind} steps": sum(s.steps for s in mine),
                     f"{kind} extra s": extra,
@@ -99,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     records = cost_samples.load(args.dump)
     variants = sorted({r["variant"] for r in records if r["kind"] == "sample"})
-    print("variant | choices per cell | stretches with a choice: n, steps, extra laps each, extra share of the cells' "
-          "time | other stretches: the same")
+    print("variant | choices per cell | stretches with a choice and no prompt step: n, steps, extra laps each, extra "
+          "share of the cells' time | stretches without a choice: the same")
     for variant in variants:
         s = summary(records, variant, int(variant.split("c=")[1]))
         print(f"{variant} | {s['choices per cell']:.1f} | " + " | ".join(

@@ -1,7 +1,7 @@
 """What an engine's step-cost model was fed and what its chooser saw, recorded for offline replay (replay_costs.py).
 
 `SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k. Every
-sample (batch, k, lap, host and device seconds, tokens, the engine's step count), every choice (the gains, base,
+sample (batch, k, lap, host and device seconds, tokens, the engine's steps and admissions so far), every choice (the gains, base,
 floor and cost row it priced, the k it kept or took) and each cost model's state when wrapped (pickled) lands in
 one list, with the variant and round it belongs to and the time. `--dump-samples PATH` in cell_phases.py and
 interleaved.py writes it as JSON: a GPU run's stream can then be priced again on the CPU by another cost model and
@@ -47,16 +47,21 @@ class SampleLog:
         costs = engine.adaptive.costs
         # Where the replay starts from: the start-up seeds and what the warm-up taught.
         self._add("state", costs=base64.b64encode(pickle.dumps(costs)).decode(), variant=variant)
-        observe = costs.observe
+        observe, admit, admitted = costs.observe, engine.adaptive.admit, [0]
+
+        def counted(*args: Any, **kwargs: Any) -> int:  # requests admitted so far (their prompt steps, untimed)
+            admitted[0] += 1
+            return admit(*args, **kwargs)
 
         def traced(batch: int, k: int, device: float, host: float = 0.0, overlapped: bool = False,
                    tokens: float = 0.0, greedy: bool = True, lap: float = 0.0) -> None:
             # step: steps the engine has planned so far (untimed steps between two samples show as a jump)
             self._add("sample", batch=batch, k=k, lap=lap, host=host, device=device, tokens=tokens,
-                      overlapped=overlapped, greedy=greedy, step=engine.scheduler.num_steps)
+                      overlapped=overlapped, greedy=greedy, step=engine.scheduler.num_steps, admitted=admitted[0])
             observe(batch, k, device, host, overlapped, tokens, greedy, lap)
 
         costs.observe = traced
+        engine.adaptive.admit = counted
 
     def _traced_choose(self, gains: list[float], base: float, floor: int, cost: Any, current: int,
                        hysteresis: float = 0.0) -> int:

@@ -44,6 +44,17 @@ def test_a_stretch_with_a_choice_is_priced_against_the_laps_around_it() -> None:
     assert s["other stretches"] == 1 and s["other extra s"] == pytest.approx(0.0)
 
 
+def test_a_stretch_with_a_choice_and_a_prompt_step_is_not_counted_as_the_choices() -> None:
+    records = _stream([(3, 4, 4.5, True), (8, 3, 5.0, True)])
+    for r in records:  # a request admitted within the second stretch (after the sample of index 8)
+        r["admitted"] = 1 if r["kind"] == "sample" and r["step"] > 9 + 4 else 0
+    found = choice_windows.stretches(records, V, 4)
+    assert [(s.chose, s.admitted) for s in found] == [(True, False), (True, True)]
+    s = choice_windows.summary(records, V, 4)
+    assert s["choice stretches"] == 1 and s["choice extra laps each"] == pytest.approx(0.5)
+    assert s["other stretches"] == 0
+
+
 def test_stretches_across_another_batch_or_k_are_left_out() -> None:
     records = _stream([(3, 4, 4.5, True)])
     [r for r in records if r["kind"] == "sample"][4]["k"] = 3  # the step after the stretch ran another k
@@ -58,6 +69,8 @@ def test_a_tiny_interleaved_dump_is_counted(tmp_path: Path, capsys: pytest.Captu
     samples = [r for r in cost_samples.load(path) if r["kind"] == "sample"]
     steps = [r["step"] for r in samples if r["variant"] == V]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one sample a step at most, in order
+    admitted = [r["admitted"] for r in samples if r["variant"] == V]
+    assert admitted == sorted(admitted) and 0 < admitted[-1] <= 2 * 8  # two rounds of a cell of 8 (2 x c)
     assert choice_windows.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "k=auto c=4 |" in out and "k=1 c=4 |" in out
