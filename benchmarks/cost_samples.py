@@ -1,12 +1,13 @@
 """What an engine's step-cost model was fed and what its chooser saw, recorded for offline replay (replay_costs.py).
 
-`SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k. Every
-sample (batch, k, lap, host and device seconds, tokens, the engine's steps and admissions so far), every choice (the gains, base,
-floor and cost row it priced, the k it kept or took) and each cost model's state when wrapped (pickled) lands in
-one list, with the variant and round it belongs to and the time. `--dump-samples PATH` in cell_phases.py and
-interleaved.py writes it as JSON: a GPU run's stream can then be priced again on the CPU by another cost model and
-set against the fixed-k cells of the same rounds (replay_costs.py), or its untimed steps around auto's choices
-counted (choice_windows.py).
+`SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k. It
+records in one list, each with the variant and round it belongs to and the time:
+  * every sample: batch, k, lap, host and device seconds, tokens, and the engine's steps and admissions so far;
+  * every choice: the gains, base, floor and cost row it priced, and the k it kept or took;
+  * each cost model's state when wrapped (pickled).
+`--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON. A GPU run's stream can then be priced
+again on the CPU by another cost model and set against the fixed-k cells of the same rounds (replay_costs.py), or
+its untimed steps around auto's choices counted (choice_windows.py).
 """
 
 from __future__ import annotations

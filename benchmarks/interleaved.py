@@ -61,7 +61,8 @@ def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed:
 
 def parse_variants(text: str) -> list[int | str]:
     """--ks: draft counts, "auto", and auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields)."""
-    return [part if part.startswith(spec_matrix.AUTO) else int(part) for part in map(str.strip, text.split(",")) if part]
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    return [part if part.startswith(spec_matrix.AUTO) else int(part) for part in parts]
 
 
 def speculation(variant: int | str) -> int | str:

@@ -95,8 +95,8 @@ def dispatch_table(bandwidth: float) -> Table:
     """Each GEMM product the linear dispatch measured (in a captured step's conditions, linear_dispatch.measure): the
     route it takes, that route's time and its share of the floor, the weight's bytes at the copy bandwidth (bytes
     a second). Which product holds a step's GEMMs back, shape by shape (issue 12's attribution)."""
-    t = Table("GEMM products as the linear dispatch measured them: the route taken, its time, and the floor (the "
-              "weight's bytes at the copy bandwidth) over it",
+    t = Table("GEMM products as the linear dispatch measured them (rows: its bucket of M): the route taken, its time, "
+              "and the floor (the weight's bytes at the copy bandwidth) over it",
               ["rows", "N", "K", "route", "us", "floor us", "floor / us", "skinny us", "cuBLAS us", "cuBLASLt us"])
     shapes = []
     for key, choice in linear_dispatch.table().items():
@@ -109,4 +109,3 @@ def dispatch_table(bandwidth: float) -> Table:
         t.add(str(rows), str(n), str(k), route, us, floor_us, floor_us / us, choice.skinny_us, choice.cublas_us,
               choice.cublaslt_us)
     return t
-
