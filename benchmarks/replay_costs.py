@@ -128,7 +128,7 @@ def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCost
           "step (medians over choices)")
     for k in ks:
         if ratios["engine"][k]:
-            e, p, t = (statistics.median(ratios[name][k]) for name in ("engine", "replay", "tokens"))
+            e, p, t = (statistics.median(ratios[kind][k]) for kind in ("engine", "replay", "tokens"))
             print(f"  k={k}: lap engine {e:.3f}, replay {p:.3f}; tokens {t:.3f}")
     for label, got in picks.items():
         if got:

@@ -88,9 +88,6 @@ def profile_table(driver: Driver, device: torch.device, k: int, steps: int, top:
     return t
 
 
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
 def dispatch_table(bandwidth: float) -> Table:
     """Each GEMM product the linear dispatch measured (in a captured step's conditions, linear_dispatch.measure): the
     route it takes, that route's time and its share of the floor, the weight's bytes at the copy bandwidth (bytes
@@ -101,7 +98,7 @@ def dispatch_table(bandwidth: float) -> Table:
     shapes = []
     for key, choice in linear_dispatch.table().items():
         _, dtype, rows, n, k = key.split("|")
-        shapes.append((int(rows[1:]), int(n[1:]), int(k[1:]), ELEMENT_BYTES.get(dtype, 2), choice))
+        shapes.append((int(rows[1:]), int(n[1:]), int(k[1:]), getattr(torch, dtype).itemsize, choice))
     for rows, n, k, size, choice in sorted(shapes, key=lambda s: s[:3]):
         route = linear_dispatch.route_taken(choice) if choice.config else "cublas"
         us = {"skinny": choice.skinny_us, linear_dispatch.CUBLASLT: choice.cublaslt_us}.get(route, choice.cublas_us)

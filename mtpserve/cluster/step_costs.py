@@ -170,7 +170,7 @@ class StepCosts:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
         (None: the host's share as it is now at every k; a unitless prior before any timing). refit=False: the
         host line as last fitted, even where a refit is due (newcomers' choices, whose prefill step runs alone)."""
-        device, fit, gaps = self._fresh_parts(batch, greedy, refit)
+        device, fit, gaps = self._device(batch, greedy), self._host_fit(batch, refit), self._gaps(batch)
         if tokens is None:
             host, spread = [fit[3]] * len(device), [1.0]
         else:
@@ -186,9 +186,6 @@ class StepCosts:
         b = self._sampled_bucket(batch)
         if b is not None:
             self._refit(b)
-
-    def _fresh_parts(self, batch: int, greedy: bool, refit: bool = True) -> tuple[list[float], tuple, list[float]]:
-        return self._device(batch, greedy), self._host_fit(batch, refit), self._gaps(batch)
 
     def device(self, batch: int, greedy: bool = True) -> np.ndarray:
         """[K + 1] device seconds of a step at each k (estimated where not measured)."""
