@@ -83,9 +83,6 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
     mine = [r for r in records if r["variant"] == variant or not own and r["kind"] != "choice"]
     state = next(r for r in mine if r["kind"] == "state")
     costs: StepCosts = pickle.loads(base64.b64decode(state["costs"]))
-    fresh = StepCosts(costs.max_k, costs._sizes[-1], costs.window, modules=costs.modules)
-    for name, value in vars(fresh).items():  # a dump from before a field was added: the field as it starts
-        costs.__dict__.setdefault(name, value)
     what_if(costs)
     greedy = all(r["greedy"] for r in mine if r["kind"] == "sample")
     out = []

@@ -97,13 +97,11 @@ def dispatch_table(bandwidth: float) -> Table:
               ["rows", "N", "K", "route", "us", "floor us", "floor / us", "skinny us", "cuBLAS us", "cuBLASLt us"])
     shapes = []
     for key, choice in linear_dispatch.table().items():
-        _, dtype, rows, n, k, *gated = key.split("|")  # a gated product (gated_linear.SUFFIX): SwiGLU folded in
-        shapes.append((int(rows[1:]), int(n[1:]), int(k[1:]), bool(gated), getattr(torch, dtype).itemsize, choice))
-    for rows, n, k, gated, size, choice in sorted(shapes, key=lambda s: s[:4]):
+        _, dtype, rows, n, k = key.split("|")
+        shapes.append((int(rows[1:]), int(n[1:]), int(k[1:]), getattr(torch, dtype).itemsize, choice))
+    for rows, n, k, size, choice in sorted(shapes, key=lambda s: s[:3]):
         route = linear_dispatch.route_taken(choice) if choice.config else "cublas"
         us = {"skinny": choice.skinny_us, linear_dispatch.CUBLASLT: choice.cublaslt_us}.get(route, choice.cublas_us)
-        if gated:  # its cuBLAS column holds the SwiGLU kernel and the plain product's route together
-            route = "skinny + SwiGLU" if route == "skinny" else "SwiGLU, then the plain route"
         floor_us = n * k * size / bandwidth * 1e6
         t.add(str(rows), str(n), str(k), route, us, floor_us, floor_us / us, choice.skinny_us, choice.cublas_us,
               choice.cublaslt_us)

@@ -42,7 +42,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,7 @@ _mode = "auto"
 _table: dict[str, Choice] = {}
 _cache_loaded = False  # the persistent cache is read once, at the first eligible call
 _cache_broken = False  # a cache that could not be written is not tried again
-_unfit: set[tuple[tuple[int, ...], int, str]] = set()  # (config, BLOCK_M, variant) past the shared memory
+_unfit: set[tuple[tuple[int, ...], int]] = set()  # (config, BLOCK_M) past this device's shared memory
 
 
 def set_mode(mode: str) -> None:
@@ -114,7 +114,7 @@ def shape_key(device_name: str, dtype: torch.dtype, bucket: int, n: int, k: int)
 
 
 @lru_cache(maxsize=None)
-def device_name(device: torch.device) -> str:
+def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
@@ -237,23 +237,17 @@ def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     from mtpserve.kernels.skinny_gemm import m_bucket
 
     (rows, k), n = x.shape, weight.shape[0]
-    choice = measured(shape_key(device_name(x.device), x.dtype, m_bucket(rows), n, k), lambda: measure(x, weight, bias))
+    if not _cache_loaded:
+        _load_cache()
+    key = shape_key(_device_name(x.device), x.dtype, m_bucket(rows), n, k)
+    choice = _table.get(key)
+    if choice is None and not torch.cuda.is_current_stream_capturing():
+        choice = _table[key] = measure(x, weight, bias)
+        _persist()
     if choice is None:  # first seen inside a capture (nothing compiled)
         return None
     route = route_taken(choice)
     return choice.config if route == "skinny" else CUBLASLT if route == CUBLASLT else None
-
-
-def measured(key: str, measure_now: Callable[[], Choice]) -> Choice | None:
-    """The table's choice for `key` (the cache read first, once); where it has none, measure_now()'s, kept and
-    persisted, unless the stream is capturing (None: a measurement syncs the device)."""
-    if not _cache_loaded:
-        _load_cache()
-    choice = _table.get(key)
-    if choice is None and not torch.cuda.is_current_stream_capturing():
-        choice = _table[key] = measure_now()
-        _persist()
-    return choice
 
 
 def route_taken(choice: Choice) -> str:
@@ -284,63 +278,44 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     A serving process has given most of its memory to KV pools: a shape whose copies do not fit is left
     to cuBLAS."""
     from mtpserve.kernels.rmsnorm import rms_norm
-    from mtpserve.kernels.skinny_gemm import skinny_gemm
+    from mtpserve.kernels.skinny_gemm import block_m, candidate_configs, num_sms, skinny_gemm
 
     (rows, k), n = x.shape, weight.shape[0]
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    copies = min(CALLS, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))  # a graph uses CALLS
     ones = torch.ones(k, dtype=x.dtype, device=x.device)
     try:
-        weights = weight_copies(weight)
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         plain = lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias)  # noqa: E731
-        cublas, lt = replay_us(plain, weights, reps), float("inf")
+        cublas, lt = _replay_us(plain, weights, reps), float("inf")
         if _cublaslt_allowed():
             with cublaslt():
-                lt = replay_us(plain, weights, reps)
+                lt = _replay_us(plain, weights, reps)
     except torch.cuda.OutOfMemoryError:
         warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
         return Choice((), float("inf"), 0.0)
-    best = best_config(rows, n, k, x.device, weights, reps,
-                       lambda cfg: lambda w: skinny_gemm(rms_norm(x, ones, 1e-6), w, bias, cfg))
-    return Choice((), float("inf"), cublas, lt) if best is None else Choice(best[1], best[0], cublas, lt)
-
-
-def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight and enough copies of it that a graph of CALLS products cycling them finds none in L2 (twice the
-    L2 in all, at most CALLS). Raises torch.cuda.OutOfMemoryError where they do not fit."""
-    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    copies = min(CALLS, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))
-    return [weight] + [weight.clone() for _ in range(copies - 1)]
-
-
-def best_config(rows: int, n: int, k: int, device: torch.device, weights: list[torch.Tensor], reps: int,
-                product_of: Callable[[Any], Callable[[torch.Tensor], torch.Tensor]], tag: str = ""
-                ) -> tuple[float, tuple[int, ...]] | None:
-    """(us, config fields) of the fastest of skinny_gemm's candidate configs for this shape, each timed as
-    product_of(config) over the weights (replay_us); None where none could run. A tile past the device's shared
-    memory is skipped from then on (per `tag`: a variant of the kernel, whose registers and memory differ)."""
-    from mtpserve.kernels.skinny_gemm import block_m, candidate_configs, num_sms
-
     best: tuple[float, tuple[int, ...]] | None = None
-    for cfg in candidate_configs(rows, n, k, num_sms(device)):
-        tile = (tuple(cfg.as_list()), block_m(rows), tag)
+    for cfg in candidate_configs(rows, n, k, num_sms(x.device)):
+        tile = (tuple(cfg.as_list()), block_m(rows))
         if tile in _unfit:
             continue
         try:
-            us = replay_us(product_of(cfg), weights, reps)
+            us = _replay_us(lambda w: skinny_gemm(rms_norm(x, ones, 1e-6), w, bias, cfg), weights, reps)
         except Exception as exc:
             if type(exc).__name__ == "OutOfResources":  # this device's shared memory: skip that tile from now on
                 _unfit.add(tile)
             else:
-                warnings.warn(f"skinny_gemm config {cfg} failed for {(n, k)} {tag} at M={rows}: {exc!r}")
+                warnings.warn(f"skinny_gemm config {cfg} failed for {tuple(weight.shape)} at M={rows}: {exc!r}")
             continue
         if best is None or us < best[0]:
             best = (us, tuple(cfg.as_list()))
-    return best
+    return Choice((), float("inf"), cublas, lt) if best is None else Choice(best[1], best[0], cublas, lt)
 
 
 CALLS = 12  # products per measuring graph: enough for the gaps between them to show, short to capture
 
 
-def replay_us(product: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], reps: int) -> float:
+def _replay_us(product: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], reps: int) -> float:
     """Median microseconds per product over `reps` replays of a graph of CALLS products, cycling the weights."""
     for w in weights:
         product(w)  # compiles, picks cuBLAS's kernel: nothing is compiled inside the capture
@@ -378,13 +353,6 @@ class DispatchedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up [..., 2 * in_features] on a GPU, the activation folded into the product
-        where that was measured faster (kernels/gated_linear.py)."""
-        from mtpserve.kernels.gated_linear import linear_gated
-
-        return linear_gated(gate_up, self.weight, self.bias)
 
 
 set_mode(os.environ.get("MTPSERVE_SKINNY_GEMM", "auto"))

@@ -15,10 +15,6 @@ the weight stream, not around the MMA:
     may instead fuse that sum (SkinnyConfig.fused): the last program of a tile to finish (an arrival
     counter per output tile) sums its partials in the same split order, so the result is the same bits
     and a step has one kernel less per such product. Which one a shape runs is measured like the rest.
-  * gated: x holds the fused gate/up projection's rows [gate | up] and each x tile is made as it is loaded,
-    silu(gate) * up with the SwiGLU kernel's roundings, so the MLP's down projection needs no activation
-    kernel before it (a launch and a round trip of [M, K] through memory fewer). Every weight strip redoes
-    its tiles' activation, so this pays only at few rows; linear_dispatch measures where.
 Nothing is read on the host and nothing depends on tensor values, so a call is CUDA-graph capturable;
 M is not specialised (one compile per tile shape, whatever the batch), and which config serves which
 (M bucket, N, K) is measured by mtpserve/kernels/linear_dispatch.py, outside any capture.
@@ -133,27 +129,13 @@ def _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr
 
 
 @triton.jit
-def _x_load(x_cols, ks, k_hi, m_mask, EVEN_K: tl.constexpr):
+def _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K: tl.constexpr):
     """[BLOCK_K, BLOCK_M] of x^T at rows ks (x_cols: [1, BLOCK_M] row pointers of x)."""
     if EVEN_K:
         xt = tl.load(x_cols + ks[:, None], mask=m_mask[None, :], other=0.0)
     else:
         xt = tl.load(x_cols + ks[:, None], mask=(ks < k_hi)[:, None] & m_mask[None, :], other=0.0)
     return xt
-
-
-@triton.jit
-def _x_tile(x_cols, ks, k_hi, m_mask, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """[BLOCK_K, BLOCK_M] of x^T; GATED: of silu(gate) * up, x's rows being [gate (K) | up (K)], rounded as
-    silu_mul rounds (silu in fp32, rounded to x's dtype, then the product rounded again): the tile the
-    activation's own kernel would have written, so the product is the same."""
-    if GATED:
-        gate = _x_load(x_cols, ks, k_hi, m_mask, EVEN_K)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        up = _x_load(x_cols + K, ks, k_hi, m_mask, EVEN_K).to(tl.float32)
-        return (act * up).to(gate.dtype)
-    return _x_load(x_cols, ks, k_hi, m_mask, EVEN_K)
 
 
 @triton.jit
@@ -170,7 +152,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, cnt_ptr,  # z, cnt: the output and the tiles' arrival counters (fused only)
     M, N, K, k_tiles, splits, fused,  # k_tiles: BLOCK_K tiles per split (at least one); splits: programs along K
     stride_xm, stride_wn, stride_ym, stride_ys, stride_zm,  # stride_ys: between splits' partials (PARTIAL only)
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -188,12 +170,12 @@ def _skinny_gemm_kernel(
     ks = tl.max_contiguous(tl.multiple_of(k_lo + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
     wait_previous(PDL)
-    xt = _x_tile(x_cols, ks, k_hi, m_mask, K, EVEN_K, GATED)
-    acc = _mma(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), PRECISION, UPCAST)
+    acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32),
+               PRECISION, UPCAST)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         w = _w_tile(w_rows, ks, k_hi, n_mask, EVEN_K, EVEN_N)
-        acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, K, EVEN_K, GATED), acc, PRECISION, UPCAST)
+        acc = _mma(w, _x_tile(x_cols, ks, k_hi, m_mask, EVEN_K), acc, PRECISION, UPCAST)
     out_mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:  # fp32 partial of this K range; _sum_splits_kernel, or where fused _sum_tile, finishes the job
         tile_rows = ms[None, :].to(tl.int64) * stride_ym + ns[:, None]  # [BLOCK_N, BLOCK_M] offsets in a partial
@@ -273,15 +255,12 @@ def skinny_gemm(
     weight: torch.Tensor,  # [N, K], unit stride along K (nn.Linear layout)
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyConfig | None = None,  # None: default_config for this shape and device
-    gated: bool = False,  # x is [M, 2K] (gate | up): the product of silu_mul(x), without its kernel
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation; gated: silu_mul(x) @ weight^T (+ bias)."""
+    """x @ weight^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation."""
     (m, k), (n, w_k) = x.shape, weight.shape
-    if gated and k % 2 == 0:
-        k //= 2
     if w_k != k or weight.dtype != x.dtype or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype}{' (gate | up)' if gated else ''}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype} and bias {None if bias is None else tuple(bias.shape)} disagree")
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} disagree")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a unit stride along K")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -305,8 +284,7 @@ def skinny_gemm(
         x, weight, bias if bias is not None else y, out, y, counters,
         m, n, k, k_tiles, splits, int(fused), x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if partial else 0, y.stride(0), HAS_BIAS=bias is not None, PARTIAL=partial,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, GATED=gated, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )

@@ -5,21 +5,15 @@ Shapes (M rows, K input features, N output features; nn.Linear layout):
   weight  [N, K]   same dtype as x
   bias    [N] or None
   ->      [M, N]   x @ weight^T (+ bias), accumulated in fp32 and rounded once to x's dtype
-  gated:  x is [M, 2K] (gate | up) and the product is silu_mul_ref(x) @ weight^T (+ bias)
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtpserve.kernels.silu_mul_ref import silu_mul_ref
 
-
-def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
-                    ) -> torch.Tensor:
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 product of the operands as stored, bias added in fp32, one rounding: what the kernel computes."""
-    if gated:
-        x = silu_mul_ref(x)
     y = x.float() @ weight.float().t()
     if bias is not None:
         y = y + bias.float()

@@ -96,7 +96,7 @@ def test_the_route_is_the_fastest_of_three_with_cublas_kept_within_the_margin(tm
 
 def test_with_cublaslt_off_a_measured_cublaslt_route_falls_back(monkeypatch):
     """With MTPSERVE_CUBLASLT=off (on by default), where cuBLASLt was measured fastest the next best route runs."""
-    monkeypatch.setattr(dispatch, "device_name", lambda device: "GPU X")
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "GPU X")
     monkeypatch.setattr(dispatch, "_cache_loaded", True)
     x, w = torch.zeros(8, 64), torch.zeros(32, 64)
     key = dispatch.shape_key("GPU X", torch.float32, 16, 32, 64)

@@ -103,38 +103,6 @@ class _Recording:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["m1-default", "m5-odd-n-odd-k", "m17-split3-ragged-k", "m70-two-m-tiles"])
-def test_gated_is_the_product_of_the_swiglu_kernels_output(kernels, case, dtype):
-    """gated: x is [M, 2K] (gate | up) and each x tile is made as it is loaded, with silu_mul's roundings: the same
-    bits as silu_mul's output through the same config (split or not, ragged K, two M tiles), and the reference."""
-    from mtpserve.kernels.silu_mul import silu_mul
-    from mtpserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
-
-    m, n, k, cfg = CASES[case]
-    gate_up, w, b = make_case(m, n, 2 * k, dtype, True, seed=11)
-    w = w[:, :k].contiguous()
-    dev = kernels.device
-    config = None if cfg is None else SkinnyConfig(*cfg)
-    gated = skinny_gemm(gate_up.to(dev), w.to(dev), b.to(dev), config, gated=True)
-    apart = skinny_gemm(silu_mul(gate_up.to(dev)), w.to(dev), b.to(dev), config)
-    assert torch.equal(gated, apart)
-    expected = skinny_gemm_ref(gate_up, w, b, gated=True)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(gated.cpu().float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
-
-
-def test_gated_refuses_an_input_that_is_not_gate_and_up_of_the_weights_width(kernels):
-    from mtpserve.kernels.skinny_gemm import skinny_gemm
-
-    dev = kernels.device
-    x, w, _ = make_case(2, 16, 32, torch.float32, False, seed=1)
-    with pytest.raises(ValueError, match=r"\(gate \| up\).*disagree"):
-        skinny_gemm(x.to(dev), w.to(dev), gated=True)  # 32 columns: gate and up of 16, the weight takes 32
-    with pytest.raises(ValueError, match="disagree"):
-        skinny_gemm(x[:, :31].contiguous().to(dev), w[:, :15].contiguous().to(dev), gated=True)  # an odd width
-
-
 def test_strided_rows_of_x(kernels):
     """x may be a row-strided view (a slice of a wider activation), as long as K is contiguous."""
     from mtpserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm

@@ -173,14 +173,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if not use_fused(gate_up):
-            return self.down_proj(silu_mul_ref(gate_up))
-        if isinstance(self.down_proj, DispatchedLinear):  # a whole plain weight (not FP8, not a rank's share)
-            return self.down_proj.forward_gated(gate_up)
-        from mtpserve.kernels.silu_mul import silu_mul
+        if use_fused(gate_up):
+            from mtpserve.kernels.silu_mul import silu_mul
 
-        # The kernel takes rows [T, 2I]; training batches come as [B, S, 2I].
-        return self.down_proj(silu_mul(gate_up.flatten(0, -2)).unflatten(0, gate_up.shape[:-1]))
+            # The kernel takes rows [T, 2I]; training batches come as [B, S, 2I].
+            return self.down_proj(silu_mul(gate_up.flatten(0, -2)).unflatten(0, gate_up.shape[:-1]))
+        return self.down_proj(silu_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
