@@ -30,21 +30,21 @@ LANES = 128  # chunks per program: one per thread of its 4 warps
 # attention reads) before the GEMM reads them.
 MAX_L2_SHARE = 0.75
 
-_PREFETCH = """{
+_PREFETCH = tl.constexpr("""{
     .reg .pred p;
     setp.gt.s32 p, $2, 0;
     @p cp.async.bulk.prefetch.L2.global [$1], $2;
     mov.u32 $0, 0;
-}"""
+}""")
 # The same with an evict-last hint: the lines outlast the stream of KV the attention reads meanwhile.
-_PREFETCH_LAST = """{
+_PREFETCH_LAST = tl.constexpr("""{
     .reg .pred p;
     .reg .b64 pol;
     setp.gt.s32 p, $2, 0;
     createpolicy.fractional.L2::evict_last.b64 pol, 1.0;
     @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;
     mov.u32 $0, 0;
-}"""
+}""")
 
 
 @triton.jit
