@@ -281,14 +281,16 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     from mtpserve.kernels.skinny_gemm import block_m, candidate_configs, num_sms, skinny_gemm
 
     (rows, k), n = x.shape, weight.shape[0]
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    copies = min(CALLS, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))  # a graph uses CALLS
     ones = torch.ones(k, dtype=x.dtype, device=x.device)
     try:
-        weights = weight_copies(weight)
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         plain = lambda w: F.linear(rms_norm(x, ones, 1e-6), w, bias)  # noqa: E731
-        cublas, lt = replay_us(plain, weights, reps), float("inf")
+        cublas, lt = _replay_us(plain, weights, reps), float("inf")
         if _cublaslt_allowed():
             with cublaslt():
-                lt = replay_us(plain, weights, reps)
+                lt = _replay_us(plain, weights, reps)
     except torch.cuda.OutOfMemoryError:
         warnings.warn(f"no memory to measure {tuple(weight.shape)} at M={rows}: cuBLAS takes it")
         return Choice((), float("inf"), 0.0)
@@ -298,7 +300,7 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         if tile in _unfit:
             continue
         try:
-            us = replay_us(lambda w: skinny_gemm(rms_norm(x, ones, 1e-6), w, bias, cfg), weights, reps)
+            us = _replay_us(lambda w: skinny_gemm(rms_norm(x, ones, 1e-6), w, bias, cfg), weights, reps)
         except Exception as exc:
             if type(exc).__name__ == "OutOfResources":  # this device's shared memory: skip that tile from now on
                 _unfit.add(tile)
@@ -310,18 +312,10 @@ def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return Choice((), float("inf"), cublas, lt) if best is None else Choice(best[1], best[0], cublas, lt)
 
 
-def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight and enough copies of it that a graph of CALLS products cycling them finds none in the L2 (twice the
-    L2 in all, at most CALLS). Raises torch.cuda.OutOfMemoryError where they do not fit."""
-    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    copies = min(CALLS, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))
-    return [weight] + [weight.clone() for _ in range(copies - 1)]
-
-
 CALLS = 12  # products per measuring graph: enough for the gaps between them to show, short to capture
 
 
-def replay_us(product: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], reps: int) -> float:
+def _replay_us(product: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], reps: int) -> float:
     """Median microseconds per product over `reps` replays of a graph of CALLS products, cycling the weights."""
     for w in weights:
         product(w)  # compiles, picks cuBLAS's kernel: nothing is compiled inside the capture

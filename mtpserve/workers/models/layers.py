@@ -126,11 +126,6 @@ class RotaryEmbedding(nn.Module):
         return rope_ref(x, self.cos, self.sin, positions)
 
 
-# Up to this many rows (a decode or verify batch) the o projection streams its weight, and the attention before it
-# leaves HBM idle for a while: its weight is prefetched into the L2 then (kernels/l2_prefetch.py).
-PREFETCH_ROWS = 256
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -150,12 +145,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self._fused(q):  # q/k norm, RoPE and the KV store in one kernel
-            from mtpserve.kernels.l2_prefetch import l2_prefetch
             from mtpserve.kernels.qk_norm_rope_store import qk_norm_rope_store
 
-            weight = getattr(self.o_proj, "weight", None)  # a rank's share (tensor parallel) keeps it elsewhere
-            if isinstance(weight, torch.Tensor) and q.shape[0] <= PREFETCH_ROWS:
-                l2_prefetch(weight)  # streams into the L2 while the attention leaves HBM idle
             norm = self.q_norm is not None
             q = qk_norm_rope_store(q, k, v, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                    self.q_norm.eps if norm else 0.0, self.rotary.cos, self.rotary.sin, positions,
