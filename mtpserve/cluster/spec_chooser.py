@@ -372,21 +372,27 @@ class AdaptiveSpec:
         return k + 1
 
     def _probe_down(self, k: int, batch: int, floor: int) -> int:
-        """k - 1 for one dwell where the choice stays at a k past the modules and the bucket's host line has seen
-        k alone for HOST_WINDOW samples (probe_after once it has settled a draft's price; a window then holds one
-        probe, and each probe draws the price anew, see StepCosts.host_recursion_slopes): a window of one k
-        cannot draw what a draft costs the host, which then priced every k at the host level of its own. At
-        c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster, greedy (run 214), and on
-        k = 4 where k = 1 ran 10 % faster at T = 1 (run 205). Where the chain does not recurse, k - 1 would
-        leave module k - 1 behind, and every request would be caught up when k rose again: no probe there. Nor
-        where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
+        """k - 1 for one dwell where the choice stays at k and the bucket's host line has seen k alone for
+        HOST_WINDOW samples: a window of one k cannot draw what a draft costs the host, which then priced every k
+        at the host level of its own. At c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster,
+        greedy (run 214), and on k = 4 where k = 1 ran 10 % faster at T = 1 (run 205).
+        * Past the modules (the chain recurses on the last one) a probe leaves no module behind: probe_after apart
+          once the price is settled, since each probe draws it anew (see StepCosts.host_recursion_slopes).
+        * At or below them, k - 1 leaves module k - 1 behind, and every request is caught up when k rises again
+          (a general-path step): only until the price below the modules is drawn from PRICE_DRAWS windows, which
+          the line then keeps. At T = 1, c = 8 on a slow H200 host auto dwelt on k = 3 (3 modules), host-bound,
+          and never drew it: k = 1 and 2 were priced 1.31x and 1.19x their real laps (run 300).
+        Not where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
         steps apart however many samples they gave (steps with prompt chunks are not timed). Nor where that price
         cannot move k's cost or k - 1's (StepCosts.draft_price_moot: the host waits for the device at both): at
         c = 1, greedy on the H200 such probes ran 3 % of auto's steps at k = 3 (16 a cell of about 500, run 275)."""
-        if k != self.k or k <= self._modules or k - 1 < floor or self.costs.draft_price_moot(batch, k, self.greedy):
+        if k != self.k or k - 1 < floor or self.costs.draft_price_moot(batch, k, self.greedy):
             return k
         costs, now, bucket = self.costs, self.acceptance.now, self.costs.bucket(batch)
-        due = self.config.probe_after * self._probe_wait if costs.knows_recursion(batch) else costs.HOST_WINDOW
+        past = k > self._modules
+        if not past and costs.knows_draft_price(batch):
+            return k
+        due = self.config.probe_after * self._probe_wait if past and costs.knows_recursion(batch) else costs.HOST_WINDOW
         if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now

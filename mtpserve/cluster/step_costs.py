@@ -66,7 +66,7 @@ class StepCosts:
     DEVICE_BOUND = 0.1  # a lap is the device's period when the host waited at least this share of it
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
-    RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
+    PRICE_DRAWS = 3  # windows (probes) behind the host's price of a draft, past the modules and below them
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12,
                  modules: int | None = None) -> None:
@@ -93,13 +93,19 @@ class StepCosts:
         # draft reruns the last module (no KV group of its own): its price says nothing of a draft below the
         # modules, and extrapolated there it sent auto at T = 1, c = 256 from k = 4 to k = 1 (H100, run 227).
         self.host_recursion_slopes: list[float | None] = [None] * nb
-        # Per bucket, that price as the last RECURSION_DRAWS probes drew it (one draw per probe, refined while its
+        # Per bucket, that price as the last PRICE_DRAWS probes drew it (one draw per probe, refined while its
         # samples stay in the window), and the sample count at the last one's probe. A probe lasts a few steps,
         # and the host's speed moved 2x within seconds on the H100's host: drawn from one probe, the price read
         # 16 us a request where fixed k = 4 ran 7 % faster than k = 3, and auto ran k = 3 for a quarter of
         # a random-prompt cell at c = 128 (run 235). Their lower median is the price once there are enough.
-        self._recursion_draws = [deque(maxlen=self.RECURSION_DRAWS) for _ in range(nb)]
+        self._recursion_draws = [deque(maxlen=self.PRICE_DRAWS) for _ in range(nb)]
         self._recursion_probe = [-1] * nb
+        # The same for a draft below the modules (host_draft_slopes is their median): windows holding two k there
+        # are rare while auto dwells (auto probes k - 1 for them, spec_chooser._probe_down), and one such window's
+        # draw is noise-prone. At T = 1, c = 8 on a slow H200 host none was drawn: every k was priced at the host
+        # level of auto's k = 3 (k = 1 at 1.31x its real laps, k = 2 at 1.19x), and auto ran k = 3 (run 300).
+        self._draft_draws = [deque(maxlen=self.PRICE_DRAWS) for _ in range(nb)]
+        self._draft_probe = [-1] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
         self.gap_samples = [0] * nb
@@ -247,6 +253,11 @@ class StepCosts:
         """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
         return self.host_recursion_slopes[self.bucket(batch)] is not None
 
+    def knows_draft_price(self, batch: int) -> bool:
+        """Whether this batch's bucket has drawn the host's price of a draft below the modules from PRICE_DRAWS
+        windows (each holding two k there)."""
+        return len(self._draft_draws[self.bucket(batch)]) == self.PRICE_DRAWS
+
     def host_draft_prices(self, batch: int) -> list[float]:
         """[K + 1] the host's seconds per request for k drafts in this batch's bucket, beyond their tokens'."""
         return self._host_fit(batch)[2]
@@ -334,9 +345,12 @@ class StepCosts:
         slope, drawn = host_fits.host_slopes(seconds, emitted, units, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         if drawn is not None and past:
-            self._draw_recursion(b, drawn, min(ks))
+            self._draw(self._recursion_draws, self._recursion_probe, b, drawn, min(ks))
+            if len(self._recursion_draws[b]) == self.PRICE_DRAWS:
+                self.host_recursion_slopes[b] = lower_median(self._recursion_draws[b])
         elif drawn is not None:
-            self.host_draft_slopes[b] = drawn
+            self._draw(self._draft_draws, self._draft_probe, b, drawn, min(ks))
+            self.host_draft_slopes[b] = lower_median(self._draft_draws[b])
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         recursion = per_draft if recursion is None else recursion
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
@@ -358,15 +372,13 @@ class StepCosts:
             slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
         return slope, per_draft, recursion
 
-    def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
-        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
-        draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
-        host_recursion_slopes) at the lower median of the last RECURSION_DRAWS."""
-        draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
-        if draws and self._recursion_probe[b] == probe:
-            draws[-1] = drawn
+    def _draw(self, draws: list[deque], probes: list[int], b: int, drawn: float, probed: int) -> None:
+        """A window drew `drawn` as a draft's price (past the modules, or below them), its lowest k `probed`: a new
+        draw where that k was sampled since the last draw's window, else the last draw refined (a window's samples
+        stay for two refits)."""
+        mine, probe = draws[b], self.k_seen[b][probed]
+        if mine and probes[b] == probe:
+            mine[-1] = drawn
         else:
-            draws.append(drawn)
-            self._recursion_probe[b] = probe
-        if len(draws) == draws.maxlen:
-            self.host_recursion_slopes[b] = lower_median(draws)
+            mine.append(drawn)
+            probes[b] = probe

@@ -339,10 +339,10 @@ def test_a_probe_lasts_min_dwell_steps_however_long_the_dwell_has_grown() -> Non
     assert ks.count(3) == 4 and ks[ks.index(3) + 4] == 2, ks
 
 
-def _host_bound_run(modules: int, steps: int = 480, seed: int = 0) -> list[int]:
+def _host_bound_run(modules: int, steps: int = 480, seed: int = 0, draft_us: float = 10.0) -> list[int]:
     """A batch of 8 whose drafts are accepted at 0.95 / 0.9 / 0.85 / 0.2 (reach per position), served one step
-    after the other, each step costing the host 20 us a request + 2 us a token + 10 us a request and draft,
-    and the device 100 + 10 k us (the start-up seeds say so exactly). Best: k = 3 (10 % ahead of k = 4);
+    after the other, each step costing the host 20 us a request + 2 us a token + draft_us a request and draft,
+    and the device 100 + 10 k us (the start-up seeds say so exactly). Best at 10 us: k = 3 (10 % ahead of k = 4);
     priced without the host's draft term, k = 4 looks 3 % ahead. -> the k of every step."""
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, modules=modules))
     rows = np.array([spec.admit(K, True) for _ in range(8)])
@@ -358,7 +358,7 @@ def _host_bound_run(modules: int, steps: int = 480, seed: int = 0) -> list[int]:
         accepted = np.argmin(hits, axis=1)
         spec.acceptance.observe(rows, np.full(8, k), accepted)
         emitted = float(8 + accepted.sum())
-        spec.costs.observe(8, k, 1e-6 * (100 + 10 * k), host=1e-6 * (8 * 20 + 2 * emitted + 8 * 10 * k),
+        spec.costs.observe(8, k, 1e-6 * (100 + 10 * k), host=1e-6 * (8 * 20 + 2 * emitted + 8 * draft_us * k),
                            tokens=emitted)
         ks.append(k)
     return ks
@@ -368,11 +368,23 @@ def test_a_k_past_the_modules_probes_k_minus_1_and_learns_what_a_draft_costs_the
     """Dwelling on one k, the host line could not draw a draft's host cost and priced every k at the host level
     of its own: at c = 128 on the H100 auto ran k = 4 throughout where fixed k = 3 ran 5 % faster (run 214).
     With 3 modules, k = 4 recurses on the last one, so k = 3 is probed for a dwell (no module falls behind)
-    and the line draws the draft term; with 4 modules that probe would cost a catch-up, and none is made."""
+    and the line draws the draft term."""
     ks = _host_bound_run(modules=3, steps=600)
     assert 3 in ks[:120]  # probed once k = 4 had held for a host window
     assert ks[-200:].count(3) >= 180, ks[-200:]  # and chosen once three probes drew the price alike
-    assert _host_bound_run(modules=K)[-200:] == [K] * 200  # no probe: the draft term stays unknown
+
+
+def test_a_k_within_the_modules_probes_k_minus_1_until_the_draft_price_is_drawn() -> None:
+    """Within the modules a probe costs a catch-up when k rises again, but without one the price of a draft below
+    them was never drawn: at T = 1, c = 8 on a slow H200 host auto dwelt on k = 3, host-bound, pricing k = 1 and 2
+    at 1.31x and 1.19x their real laps (run 300). So k - 1 is probed until PRICE_DRAWS windows drew it, then no
+    more: the line keeps what they drew."""
+    ks = _host_bound_run(modules=K, steps=600)
+    assert ks[-200:].count(3) >= 180, ks[-200:]  # found k = 3, as over 3 modules
+    free = _host_bound_run(modules=K, steps=1200, draft_us=0.0)  # a draft costs the host nothing: k = 4 is best
+    probes = [i for i, k in enumerate(free) if k < K and (i == 0 or free[i - 1] == K)]
+    assert 1 <= len(probes) <= StepCosts.PRICE_DRAWS, probes
+    assert free[-600:] == [K] * 600  # the price drawn: no probe since
 
 
 def _accepting_spec(adaptive: list[bool], device_us: float) -> tuple[AdaptiveSpec, np.ndarray]:
