@@ -379,9 +379,10 @@ class AdaptiveSpec:
         * Past the modules (the chain recurses on the last one) a probe leaves no module behind: probe_after apart
           once the price is settled, since each probe draws it anew (see StepCosts.host_recursion_slopes).
         * At or below them, k - 1 leaves module k - 1 behind, and every request is caught up when k rises again
-          (a general-path step): only until the price below the modules is drawn from PRICE_DRAWS windows, which
-          the line then keeps. At T = 1, c = 8 on a slow H200 host auto dwelt on k = 3 (3 modules), host-bound,
-          and never drew it: k = 1 and 2 were priced 1.31x and 1.19x their real laps (run 300).
+          (a general-path step): only until PRICE_DRAWS such probes drew the price below the modules, each from
+          its own steps against those at k around it (StepCosts.begin_probe), which the line then keeps. At T = 1,
+          c = 8 on a slow H200 host auto dwelt on k = 3 (3 modules), host-bound, and never drew it: k = 1 and 2
+          were priced 1.31x and 1.19x their real laps (run 300).
         Not where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
         steps apart however many samples they gave (steps with prompt chunks are not timed). Nor where that price
         cannot move k's cost or k - 1's (StepCosts.draft_price_moot: the host waits for the device at both): at
@@ -396,6 +397,8 @@ class AdaptiveSpec:
         if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now
+        if not past:
+            costs.begin_probe(batch, k)  # drawn A/B/A from its steps and those at k around it
         return k - 1
 
     def estimates(self) -> list[float]:

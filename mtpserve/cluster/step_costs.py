@@ -28,6 +28,7 @@ import numpy as np
 
 from mtpserve.cluster.device_costs import DeviceCosts, lower_median, plain_median
 from mtpserve.cluster import host_fits
+from mtpserve.cluster.paired_probe import SIDE, PairedProbe
 from mtpserve.workers.cuda_graphs import batch_buckets
 
 
@@ -100,12 +101,13 @@ class StepCosts:
         # a random-prompt cell at c = 128 (run 235). Their lower median is the price once there are enough.
         self._recursion_draws = [deque(maxlen=self.PRICE_DRAWS) for _ in range(nb)]
         self._recursion_probe = [-1] * nb
-        # The same for a draft below the modules (host_draft_slopes is their median): windows holding two k there
-        # are rare while auto dwells (auto probes k - 1 for them, spec_chooser._probe_down), and one such window's
-        # draw is noise-prone. At T = 1, c = 8 on a slow H200 host none was drawn: every k was priced at the host
-        # level of auto's k = 3 (k = 1 at 1.31x its real laps, k = 2 at 1.19x), and auto ran k = 3 (run 300).
+        # Per bucket, the price of a draft below the modules as the last PRICE_DRAWS probes drew it, each A/B/A
+        # (paired_probe.py; host_draft_slopes is their median once there is one, a window's draw before): at T = 1,
+        # c = 8 on a slow H200 host auto dwelt on k = 3 and no window drew it, every k priced at the host level of
+        # k = 3 (k = 1 at 1.31x its real laps, k = 2 at 1.19x, run 300), and the windows that held two k read the
+        # host's speed changes as the price (run 301). The probe in progress, if any.
         self._draft_draws = [deque(maxlen=self.PRICE_DRAWS) for _ in range(nb)]
-        self._draft_probe = [-1] * nb
+        self._probes: list[PairedProbe | None] = [None] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
         self.gap_samples = [0] * nb
@@ -132,6 +134,11 @@ class StepCosts:
         self.host_recent[b].append((host / per, tokens / per, k))
         self.host_samples[b] += 1
         self.k_seen[b][k] = self.host_samples[b]
+        probe = self._probes[b]
+        if probe is not None and (done := probe.add(k, host / per, tokens / per)) is not None:
+            self._probes[b] = None
+            if done:
+                self._draw_probe(b, probe)
         self.overlapped = overlapped
         busy = True  # whether the device ran the lap through (a serial step's device share is its own)
         if overlapped and lap > 0:
@@ -241,12 +248,15 @@ class StepCosts:
     def draft_price_moot(self, batch: int, k: int, greedy: bool = True) -> bool:
         """Whether the host's price of a draft can move neither k's cost nor k - 1's in this batch's bucket: each of
         k's last K_LAPS overlapped laps was device-bound, and the host's share of them (their median) stays under
-        the device's share at k - 1, which fewer drafts and tokens on the host cannot then exceed."""
+        the device's share at k - 1, which fewer drafts and tokens on the host cannot then exceed; or the host's
+        share of k's steps is nil (steps timed without it)."""
         b = self.bucket(batch)
+        hosts = [s for s, _, j in self.host_recent[b] if j == k]
+        if hosts and plain_median(hosts) == 0.0:
+            return True
         laps = self.k_laps[b][k]
         if k < 1 or len(laps) < self.K_LAPS or not all(laps):
             return False
-        hosts = [s for s, _, j in self.host_recent[b] if j == k]
         return bool(hosts) and plain_median(hosts) * max(batch, 1) < self._device(batch, greedy)[k - 1]
 
     def knows_recursion(self, batch: int) -> bool:
@@ -255,8 +265,28 @@ class StepCosts:
 
     def knows_draft_price(self, batch: int) -> bool:
         """Whether this batch's bucket has drawn the host's price of a draft below the modules from PRICE_DRAWS
-        windows (each holding two k there)."""
+        probes."""
         return len(self._draft_draws[self.bucket(batch)]) == self.PRICE_DRAWS
+
+    def begin_probe(self, batch: int, k: int) -> None:
+        """The chooser probes k - 1 from k (below the modules) in this batch's bucket from the next step: its
+        steps, and those at k around it, draw the host's price of a draft (paired_probe.py)."""
+        b = self.bucket(batch)
+        before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:SIDE]
+        self._probes[b] = PairedProbe(k, before)
+
+    def _draw_probe(self, b: int, probe: PairedProbe) -> None:
+        """A complete probe's draw, in the line's units (at the host's speed of the line's window, as its other
+        terms: divided by the speed the samples around the probe ran at)."""
+        drawn = probe.draw(self.host_slopes[b])
+        if drawn is None:
+            return
+        slope, per_draft, recursion = self._slopes[b]
+        price = self._draft_price(per_draft, per_draft if self.host_recursion_slopes[b] is None else recursion)
+        around = [(s, e, probe.k) for s, e in probe.before + probe.after]
+        speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
+        self._draft_draws[b].append(drawn / speed if speed > 0 else drawn)
+        self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
 
     def host_draft_prices(self, batch: int) -> list[float]:
         """[K + 1] the host's seconds per request for k drafts in this batch's bucket, beyond their tokens'."""
@@ -345,12 +375,9 @@ class StepCosts:
         slope, drawn = host_fits.host_slopes(seconds, emitted, units, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         if drawn is not None and past:
-            self._draw(self._recursion_draws, self._recursion_probe, b, drawn, min(ks))
-            if len(self._recursion_draws[b]) == self.PRICE_DRAWS:
-                self.host_recursion_slopes[b] = lower_median(self._recursion_draws[b])
-        elif drawn is not None:
-            self._draw(self._draft_draws, self._draft_probe, b, drawn, min(ks))
-            self.host_draft_slopes[b] = lower_median(self._draft_draws[b])
+            self._draw_recursion(b, drawn, min(ks))
+        elif drawn is not None and not self._draft_draws[b]:  # a probe's draw outweighs any window's
+            self.host_draft_slopes[b] = drawn
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         recursion = per_draft if recursion is None else recursion
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
@@ -372,13 +399,15 @@ class StepCosts:
             slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
         return slope, per_draft, recursion
 
-    def _draw(self, draws: list[deque], probes: list[int], b: int, drawn: float, probed: int) -> None:
-        """A window drew `drawn` as a draft's price (past the modules, or below them), its lowest k `probed`: a new
-        draw where that k was sampled since the last draw's window, else the last draw refined (a window's samples
-        stay for two refits)."""
-        mine, probe = draws[b], self.k_seen[b][probed]
-        if mine and probes[b] == probe:
-            mine[-1] = drawn
+    def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
+        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
+        draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
+        host_recursion_slopes) at the lower median of the last PRICE_DRAWS."""
+        draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
+        if draws and self._recursion_probe[b] == probe:
+            draws[-1] = drawn
         else:
-            mine.append(drawn)
-            probes[b] = probe
+            draws.append(drawn)
+            self._recursion_probe[b] = probe
+        if len(draws) == draws.maxlen:
+            self.host_recursion_slopes[b] = lower_median(draws)

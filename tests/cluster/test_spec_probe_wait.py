@@ -26,7 +26,7 @@ def _probes(ks: list[int], frm: int) -> list[int]:
 
 
 def test_probes_whose_k_loses_wait_twice_as_long_each_time_up_to_the_cap() -> None:
-    spec, row = _one_request(1e-3)
+    spec, row = _one_request(1.0)  # steps so long that no choice's own time stretches a dwell past min_dwell
     ks = [spec.choose(row) for _ in range(900)]
     assert set(ks) == {2, 3}
     probes = _probes(ks, 2)
@@ -35,7 +35,7 @@ def test_probes_whose_k_loses_wait_twice_as_long_each_time_up_to_the_cap() -> No
 
 
 def test_a_choice_that_moves_probes_at_the_base_rate_again() -> None:
-    spec, row = _one_request(1e-3)
+    spec, row = _one_request(1.0)
     for _ in range(300):
         spec.choose(row)
     assert spec._probe_wait == 8  # probes of k = 3 kept losing

@@ -13,6 +13,7 @@ from mtpserve.cluster.device_costs import DeviceCosts, _line_fit
 from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.host_fits import host_slope, host_slopes, means_of_max
 from mtpserve.cluster.step_costs import StepCosts
+from mtpserve.cluster.paired_probe import SIDE, PairedProbe
 
 K = 4
 
@@ -479,3 +480,49 @@ def test_a_draft_price_is_moot_where_the_host_waits_for_the_device_at_k_and_k_mi
         fast.seed(1, k, 1e-6 * (60 + 60 * k))  # k = 3's device share 0.24 ms: its step would wait for the host
     _overlapped(fast, 1, 4, host=250e-6, device=300e-6, n=StepCosts.K_LAPS)
     assert not fast.draft_price_moot(1, 4)
+
+
+def test_a_probe_below_the_modules_draws_a_drafts_price_from_its_neighbours_not_from_a_drifting_window() -> None:
+    """Host per request (20 + 2 a token + 6 a draft) us at the host's speed. A probe of k = 2 between steps at
+    k = 3 draws the 6 us A/B/A (paired_probe.py); a later window whose k = 2 steps ran on a 1.3x slower host
+    than its k = 3 steps (auto's choices follow such changes) would draw 0, and is not taken over the probe's."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    step = 0
+
+    def run(k: int, n: int, speed: float = 1.0) -> None:
+        nonlocal step
+        for _ in range(n):
+            tokens = 8 * (1 + 0.5 * k) + 4 * (step % 3)
+            costs.observe(8, k, 1e-4, host=speed * 1e-6 * 8 * (20 + 2 * tokens / 8 + 6 * k), tokens=tokens)
+            step += 1
+
+    run(3, 64)
+    costs.host_draft_prices(8)  # a choice reads (and fits) the line
+    for probe in range(StepCosts.PRICE_DRAWS):
+        assert not costs.knows_draft_price(8)
+        costs.begin_probe(8, 3)
+        run(2, 8)
+        run(3, 40)
+    assert costs.knows_draft_price(8)
+    assert costs.host_draft_prices(8)[1] == pytest.approx(6e-6, rel=0.05)
+    run(2, 32, speed=1.3)
+    run(3, 32)
+    assert costs.host_draft_prices(8)[1] == pytest.approx(6e-6, rel=0.05)
+
+
+def test_a_probe_is_void_where_another_k_runs_and_draws_nothing_from_too_few_steps() -> None:
+    probe = PairedProbe(3, [(50e-6, 2.0)] * 8)
+    assert probe.add(3, 50e-6, 2.0) is None  # a step at k still in flight when the probe began: not its own
+    assert probe.add(2, 44e-6, 1.8) is None and probe.add(4, 60e-6, 2.2) is False
+    short = PairedProbe(3, [(50e-6, 2.0)] * 8)
+    for _ in range(3):
+        short.add(2, 44e-6, 1.8)
+    for _ in range(SIDE - 1):
+        assert short.add(3, 50e-6, 2.0) is None
+    assert short.add(3, 50e-6, 2.0) is True and short.draw(0.0) is None  # 3 steps of the probe's own: too few
+    full = PairedProbe(3, [(50e-6, 2.0)] * 8)
+    for _ in range(8):
+        full.add(2, 44e-6, 1.8)
+    for _ in range(SIDE):
+        full.add(3, 50e-6, 2.0)
+    assert full.draw(10e-6) == pytest.approx(6e-6 - 10e-6 * 0.2)  # the 0.2 tokens a request more at k priced out
