@@ -1,4 +1,4 @@
-"""Tokens a step at k would emit, drawn from steps that ran at k or above (docs/design.md §9, session AB).
+"""Tokens a step at k would emit, drawn from steps that ran at k or above (docs/adaptive-measurements.md, session AB).
 
 Adaptive speculation prices a k's tokens as the product of per-position acceptance estimates:
 1 + sum_{j < k} prod_{i <= j} p_i. A request's acceptance varies along it, and a step at a larger k covers more
