@@ -16,7 +16,7 @@ k = 4's tok/s at the same k, run 231). --free lets auto's choices stand. A diagn
 window of one k cannot show. With --free, 10 us, T = 1-like acceptance (0.66,0.69,0.71,0.5) and c = 8, fixed k = 1
 ran about 20 % faster than k = 3. Cell by cell against it, auto made 0.70-0.80 over 14 cells, at k = 4 and then
 k = 3 (session AE). It drew the price of a draft past the MTP modules from its probes (10-12 us), never the one
-below them. Since session AG auto also probes within the modules until three probes have drawn that price
+below them. Since session AG auto also probes within the modules until five probes have drawn that price
 (docs/adaptive-measurements.md): it made 0.71-0.83 of fixed k = 1 in the first four cells and 0.76-1.15 in the six
 after (two runs of ten).
 """

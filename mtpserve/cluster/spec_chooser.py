@@ -379,7 +379,7 @@ class AdaptiveSpec:
         * Past the modules (the chain recurses on the last one) a probe leaves no module behind: probe_after apart
           once the price is settled, since each probe draws it anew (see StepCosts.host_recursion_slopes).
         * At or below them, k - 1 leaves module k - 1 behind, and every request is caught up when k rises again
-          (a general-path step): only until PRICE_DRAWS such probes drew the price below the modules, each from
+          (a general-path step): only until DRAFT_DRAWS such probes drew the price below the modules, each from
           its own steps against those at k around it (StepCosts.begin_probe), which the line then keeps. At T = 1,
           c = 8 on a slow H200 host auto dwelt on k = 3 (3 modules), host-bound, and never drew it: k = 1 and 2
           were priced 1.31x and 1.19x their real laps (run 300).

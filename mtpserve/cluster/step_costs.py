@@ -67,7 +67,10 @@ class StepCosts:
     DEVICE_BOUND = 0.1  # a lap is the device's period when the host waited at least this share of it
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
-    PRICE_DRAWS = 3  # windows (probes) behind the host's price of a draft, past the modules and below them
+    RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
+    # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
+    # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
+    DRAFT_DRAWS = 5
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12,
                  modules: int | None = None) -> None:
@@ -94,19 +97,19 @@ class StepCosts:
         # draft reruns the last module (no KV group of its own): its price says nothing of a draft below the
         # modules, and extrapolated there it sent auto at T = 1, c = 256 from k = 4 to k = 1 (H100, run 227).
         self.host_recursion_slopes: list[float | None] = [None] * nb
-        # Per bucket, that price as the last PRICE_DRAWS probes drew it (one draw per probe, refined while its
+        # Per bucket, that price as the last RECURSION_DRAWS probes drew it (one draw per probe, refined while its
         # samples stay in the window), and the sample count at the last one's probe. A probe lasts a few steps,
         # and the host's speed moved 2x within seconds on the H100's host: drawn from one probe, the price read
         # 16 us a request where fixed k = 4 ran 7 % faster than k = 3, and auto ran k = 3 for a quarter of
         # a random-prompt cell at c = 128 (run 235). Their lower median is the price once there are enough.
-        self._recursion_draws = [deque(maxlen=self.PRICE_DRAWS) for _ in range(nb)]
+        self._recursion_draws = [deque(maxlen=self.RECURSION_DRAWS) for _ in range(nb)]
         self._recursion_probe = [-1] * nb
-        # Per bucket, the price of a draft below the modules as the last PRICE_DRAWS probes drew it, each A/B/A
+        # Per bucket, the price of a draft below the modules as the last DRAFT_DRAWS probes drew it, each A/B/A
         # (paired_probe.py; host_draft_slopes is their median once there is one, a window's draw before): at T = 1,
         # c = 8 on a slow H200 host auto dwelt on k = 3 and no window drew it, every k priced at the host level of
         # k = 3 (k = 1 at 1.31x its real laps, k = 2 at 1.19x, run 300), and the windows that held two k read the
         # host's speed changes as the price (run 301). The probe in progress, if any.
-        self._draft_draws = [deque(maxlen=self.PRICE_DRAWS) for _ in range(nb)]
+        self._draft_draws = [deque(maxlen=self.DRAFT_DRAWS) for _ in range(nb)]
         self._probes: list[PairedProbe | None] = [None] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
@@ -264,9 +267,9 @@ class StepCosts:
         return self.host_recursion_slopes[self.bucket(batch)] is not None
 
     def knows_draft_price(self, batch: int) -> bool:
-        """Whether this batch's bucket has drawn the host's price of a draft below the modules from PRICE_DRAWS
+        """Whether this batch's bucket has drawn the host's price of a draft below the modules from DRAFT_DRAWS
         probes."""
-        return len(self._draft_draws[self.bucket(batch)]) == self.PRICE_DRAWS
+        return len(self._draft_draws[self.bucket(batch)]) == self.DRAFT_DRAWS
 
     def begin_probe(self, batch: int, k: int) -> None:
         """The chooser probes k - 1 from k (below the modules) in this batch's bucket from the next step: its
@@ -402,7 +405,7 @@ class StepCosts:
     def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
         """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
         draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
-        host_recursion_slopes) at the lower median of the last PRICE_DRAWS."""
+        host_recursion_slopes) at the lower median of the last RECURSION_DRAWS."""
         draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
         if draws and self._recursion_probe[b] == probe:
             draws[-1] = drawn

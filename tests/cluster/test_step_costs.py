@@ -349,7 +349,7 @@ def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
     group of its own, and that price stays what the bucket drew before (nothing here: 0), not extrapolated
     (extrapolated, it sent auto at T = 1, c = 256 on the H100 from k = 4 to k = 1, run 227)."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
-    for i in range(64 + 32 * StepCosts.PRICE_DRAWS):
+    for i in range(64 + 32 * StepCosts.RECURSION_DRAWS):
         k = 3 + (i // 8) % 2
         tokens = 8 * (1 + 0.5 * k) + 4 * (i % 3)  # acceptance varies within each k: the tokens' slope is drawn there
         costs.observe(8, k, 1e-4, host=1e-6 * (8 * 20 + 2 * tokens + 8 * 10 * k), tokens=tokens)
@@ -373,7 +373,7 @@ def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_dri
     (run 235, random prompts at c = 128); the lower median of three probes prices the draft at what it costs."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
     step = 0
-    for probe in range(StepCosts.PRICE_DRAWS + 1):
+    for probe in range(StepCosts.RECURSION_DRAWS + 1):
         for i in range(StepCosts.HOST_WINDOW):
             costs.observe(8, 4, 1e-4, host=1e-6 * (8 * 50 + 2 * (8 + 4 * (step % 3))), tokens=8 + 4 * (step % 3))
             step += 1
@@ -400,7 +400,7 @@ def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_
         costs.observe(8, k, 1e-4, host=1e-6 * 8 * (60 + 2 * tokens / 8 + 5 * min(k, 3) + 10 * max(k - 3, 0)),
                       tokens=tokens)
 
-    for i in range(64 + 32 * StepCosts.PRICE_DRAWS):
+    for i in range(64 + 32 * StepCosts.RECURSION_DRAWS):
         sample(i, 3 + (i // 8) % 2)
         if i >= 63 and i % 32 == 31:  # a choice reads the line: it refits
             costs.host_draft_prices(8)
@@ -498,7 +498,7 @@ def test_a_probe_below_the_modules_draws_a_drafts_price_from_its_neighbours_not_
 
     run(3, 64)
     costs.host_draft_prices(8)  # a choice reads (and fits) the line
-    for probe in range(StepCosts.PRICE_DRAWS):
+    for probe in range(StepCosts.DRAFT_DRAWS):
         assert not costs.knows_draft_price(8)
         costs.begin_probe(8, 3)
         run(2, 8)
