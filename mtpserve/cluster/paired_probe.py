@@ -4,9 +4,10 @@ probe of k - 1 and just after it, against the probe's own steps.
 A host line drawn through a window that holds two k (StepCosts._fit_slopes) reads the host's speed changes as
 part of the price whenever the change of k follows a change of speed, and auto's choices follow them: a slower
 host makes every step host-bound, where more drafts look free. At T = 1, c = 8 on the H200 such windows read
-means of 81 us a request at k = 2 against 62 at k = 3, and half of them drew the price as 0 (run 301), where fixed
-k = 1 and 2 ran 6 us a request and draft apart. A probe starts when the chooser's dwell says so, not when the
-speed moves, and its neighbours on both sides share its speed to within a few milliseconds.
+means of 81 us a request at k = 2 against 62 at k = 3, and half of them drew the price as 0 (run 301), where the
+fixed cells' k = 1 and 2 differed by about 4 us a request beyond their tokens (run 302). A probe starts when the
+chooser's dwell says so, not when the speed moves, and its neighbours on both sides share its speed to within a
+few milliseconds.
 """
 
 from __future__ import annotations

@@ -382,7 +382,7 @@ class AdaptiveSpec:
           (a general-path step): only until DRAFT_DRAWS such probes drew the price below the modules, each from
           its own steps against those at k around it (StepCosts.begin_probe), which the line then keeps. At T = 1,
           c = 8 on a slow H200 host auto dwelt on k = 3 (3 modules), host-bound, and never drew it: k = 1 and 2
-          were priced 1.31x and 1.19x their real laps (run 300).
+          were priced 1.17x and 1.12x their real laps (run 300).
         Not where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
         steps apart however many samples they gave (steps with prompt chunks are not timed). Nor where that price
         cannot move k's cost or k - 1's (StepCosts.draft_price_moot: the host waits for the device at both): at

@@ -107,7 +107,7 @@ class StepCosts:
         # Per bucket, the price of a draft below the modules as the last DRAFT_DRAWS probes drew it, each A/B/A
         # (paired_probe.py; host_draft_slopes is their median once there is one, a window's draw before): at T = 1,
         # c = 8 on a slow H200 host auto dwelt on k = 3 and no window drew it, every k priced at the host level of
-        # k = 3 (k = 1 at 1.31x its real laps, k = 2 at 1.19x, run 300), and the windows that held two k read the
+        # k = 3 (k = 1 at 1.17x its real laps, k = 2 at 1.12x, run 300), and the windows that held two k read the
         # host's speed changes as the price (run 301). The probe in progress, if any.
         self._draft_draws = [deque(maxlen=self.DRAFT_DRAWS) for _ in range(nb)]
         self._probes: list[PairedProbe | None] = [None] * nb

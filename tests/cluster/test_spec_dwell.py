@@ -377,7 +377,7 @@ def test_a_k_past_the_modules_probes_k_minus_1_and_learns_what_a_draft_costs_the
 def test_a_k_within_the_modules_probes_k_minus_1_until_the_draft_price_is_drawn() -> None:
     """Within the modules a probe costs a catch-up when k rises again, but without one the price of a draft below
     them was never drawn: at T = 1, c = 8 on a slow H200 host auto dwelt on k = 3, host-bound, pricing k = 1 and 2
-    at 1.31x and 1.19x their real laps (run 300). So k - 1 is probed until DRAFT_DRAWS probes drew it, then no
+    at 1.17x and 1.12x their real laps (run 300). So k - 1 is probed until DRAFT_DRAWS probes drew it, then no
     more: the line keeps what they drew."""
     ks = _host_bound_run(modules=K, steps=600)
     assert ks[-200:].count(3) >= 180, ks[-200:]  # found k = 3, as over 3 modules

@@ -368,9 +368,10 @@ def test_a_window_past_the_modules_prices_only_the_drafts_past_them() -> None:
 
 def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_drifted_in() -> None:
     """k = 4 over 3 modules, a draft costing the host nothing beyond its tokens, and auto probing k = 3 for 8 steps
-    once a host window has seen k = 4 alone: in the first probe the host ran 0.6x as long (its speed moves 2x within seconds on the H100's
-    host), which read as 27 us a request for the fourth draft. Priced from that probe alone, k = 3 looked best
-    (run 235, random prompts at c = 128); the lower median of three probes prices the draft at what it costs."""
+    once a host window has seen k = 4 alone: in the first probe the host ran 0.6x as long (its speed moves 2x within
+    seconds on the H100's host), which read as 27 us a request for the fourth draft. Priced from that probe alone,
+    k = 3 looked best (run 235, random prompts at c = 128); the lower median of three probes prices the draft at what
+    it costs."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
     step = 0
     for probe in range(StepCosts.RECURSION_DRAWS + 1):
@@ -379,7 +380,8 @@ def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_dri
             step += 1
         for i in range(8):
             speed = 0.6 if probe == 1 else 1.0
-            costs.observe(8, 3, 1e-4, host=1e-6 * speed * (8 * 50 + 2 * (8 + 3 * (step % 3))), tokens=8 + 3 * (step % 3))
+            tokens = 8 + 3 * (step % 3)
+            costs.observe(8, 3, 1e-4, host=1e-6 * speed * (8 * 50 + 2 * tokens), tokens=tokens)
             step += 1
         if probe == 1:
             assert not costs.knows_recursion(8) and costs.host_draft_prices(8)[4] == 0.0
