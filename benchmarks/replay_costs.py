@@ -66,6 +66,15 @@ VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None,
                                                     **{f"draft-{s}": draft_prior(s) for s in (0.04, 0.08, 0.12)}}
 
 
+def upgraded(costs: StepCosts) -> StepCosts:
+    """A cost model pickled by an older engine, with each field added since as a fresh model starts it (session AG
+    added the probes' draws below the modules): dumps of earlier runs replay with the model as it is now."""
+    fresh = StepCosts(costs.max_k, costs._sizes[-1], costs.window, modules=costs.modules)
+    for name, value in vars(fresh).items():
+        costs.__dict__.setdefault(name, value)
+    return costs
+
+
 def real_cells(records: list[Record], c: int) -> dict[tuple[int, int], tuple[float, float]]:
     """(round, k) -> (mean lap, mean tokens) of a fixed-k variant's full-batch steps in that round."""
     laps: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
@@ -82,7 +91,7 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
     own = any(r["kind"] == "state" and r["variant"] == variant for r in records)
     mine = [r for r in records if r["variant"] == variant or not own and r["kind"] != "choice"]
     state = next(r for r in mine if r["kind"] == "state")
-    costs: StepCosts = pickle.loads(base64.b64decode(state["costs"]))
+    costs = upgraded(pickle.loads(base64.b64decode(state["costs"])))
     what_if(costs)
     greedy = all(r["greedy"] for r in mine if r["kind"] == "sample")
     out = []

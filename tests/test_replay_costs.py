@@ -93,3 +93,11 @@ def test_compare_sets_each_choice_against_its_rounds_fixed_cells() -> None:
     assert ratios["engine"][1] == [pytest.approx(0.5)] and ratios["engine"][2] == [pytest.approx(3.0)]
     assert ratios["tokens"][1] == [pytest.approx(1.0)] and ratios["tokens"][2] == [pytest.approx(1.0)]
     assert picks["engine"] == [pytest.approx((6 / 2) / (9 / 1))]
+
+
+def test_a_model_pickled_before_a_field_was_added_replays_with_the_field_as_it_starts() -> None:
+    older = StepCosts(max_k=2, max_rows=4, modules=1)
+    del older.__dict__["_draft_draws"], older.__dict__["_probes"]  # as a run before session AG pickled it
+    restored = replay_costs.upgraded(pickle.loads(pickle.dumps(older)))
+    restored.observe(4, 1, 1e-3, 0.9e-3, True, 8.0, True, 1.1e-3)  # observe reads the probe in progress
+    assert not restored.knows_draft_price(4) and restored.costs(4, [4.0, 6.0, 7.0]).shape == (3,)
