@@ -368,8 +368,9 @@ def test_a_k_past_the_modules_probes_k_minus_1_and_learns_what_a_draft_costs_the
     """Dwelling on one k, the host line could not draw a draft's host cost and priced every k at the host level
     of its own: at c = 128 on the H100 auto ran k = 4 throughout where fixed k = 3 ran 5 % faster (run 214).
     With 3 modules, k = 4 recurses on the last one, so k = 3 is probed for a dwell (no module falls behind)
-    and the line draws the draft term."""
-    ks = _host_bound_run(modules=3, steps=600)
+    and the line draws the draft term. (At k = 3, within the modules, k = 2 is then probed until DRAFT_DRAWS
+    probes drew the price below them, a host window or more apart: over by the last 200 of 1000 steps.)"""
+    ks = _host_bound_run(modules=3, steps=1000)
     assert 3 in ks[:120]  # probed once k = 4 had held for a host window
     assert ks[-200:].count(3) >= 180, ks[-200:]  # and chosen once three probes drew the price alike
 
@@ -379,7 +380,7 @@ def test_a_k_within_the_modules_probes_k_minus_1_until_the_draft_price_is_drawn(
     them was never drawn: at T = 1, c = 8 on a slow H200 host auto dwelt on k = 3, host-bound, pricing k = 1 and 2
     at 1.17x and 1.12x their real laps (run 300). So k - 1 is probed until DRAFT_DRAWS probes drew it, then no
     more: the line keeps what they drew."""
-    ks = _host_bound_run(modules=K, steps=600)
+    ks = _host_bound_run(modules=K, steps=1000)
     assert ks[-200:].count(3) >= 180, ks[-200:]  # found k = 3, as over 3 modules
     free = _host_bound_run(modules=K, steps=1200, draft_us=0.0)  # a draft costs the host nothing: k = 4 is best
     probes = [i for i, k in enumerate(free) if k < K and (i == 0 or free[i - 1] == K)]
