@@ -99,5 +99,10 @@ def test_a_model_pickled_before_a_field_was_added_replays_with_the_field_as_it_s
     older = StepCosts(max_k=2, max_rows=4, modules=1)
     del older.__dict__["_draft_draws"], older.__dict__["_probes"]  # as a run before session AG pickled it
     restored = replay_costs.upgraded(pickle.loads(pickle.dumps(older)))
-    restored.observe(4, 1, 1e-3, 0.9e-3, True, 8.0, True, 1.1e-3)  # observe reads the probe in progress
-    assert not restored.knows_draft_price(4) and restored.costs(4, [4.0, 6.0, 7.0]).shape == (3,)
+    current = StepCosts(max_k=2, max_rows=4, modules=1)
+    for model in (restored, current):  # observe reads the probe in progress, begin_probe starts one
+        model.observe(4, 1, 1e-3, 0.9e-3, True, 8.0, True, 1.1e-3)
+        model.begin_probe(4, 1)
+        model.observe(4, 0, 0.8e-3, 0.8e-3, True, 4.0, True, 0.9e-3)
+    assert restored.costs(4, [4.0, 6.0, 7.0]).tolist() == current.costs(4, [4.0, 6.0, 7.0]).tolist()
+    assert restored._probes == current._probes and not restored.knows_draft_price(4)

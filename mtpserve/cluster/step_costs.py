@@ -284,8 +284,8 @@ class StepCosts:
         drawn = probe.draw(self.host_slopes[b])
         if drawn is None:
             return
-        slope, per_draft, recursion = self._slopes[b]
-        price = self._draft_price(per_draft, per_draft if self.host_recursion_slopes[b] is None else recursion)
+        slope, per_draft, recursion = self._slopes[b]  # as the last fit left them (recursion: per_draft until drawn)
+        price = self._draft_price(per_draft, recursion)
         around = [(s, e, probe.k) for s, e in probe.before + probe.after]
         speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
         self._draft_draws[b].append(drawn / speed if speed > 0 else drawn)
