@@ -133,6 +133,22 @@ def test_every_k_is_priced_with_the_host_as_it_is_now() -> None:
     np.testing.assert_allclose(costs.costs(1)[[0, 4]], [0.25, 0.50])
 
 
+def test_the_hosts_speed_is_read_from_steps_of_the_batch_priced() -> None:
+    """A step's host has a part per step besides the part per request (at T = 1, c = 8 on the H200 about 0.22 ms +
+    0.033 ms a request), which the line, drawn per request, spreads over the batch: per request a drain's steps of
+    5 read 1.27x full ones of 8. The next full batch is priced at the full steps' host, not at the drain's."""
+    costs = StepCosts(K, 8)
+
+    def host(batch: int) -> float:
+        return 0.22e-3 + 0.033e-3 * batch
+
+    for _ in range(48):
+        costs.observe(8, 2, 1e-4, host=host(8), overlapped=True, tokens=16)
+    for batch in (7, 6, 5) * 4:  # the drain: a window's newest 16 hold 4 full steps
+        costs.observe(batch, 2, 1e-4, host=host(batch), overlapped=True, tokens=2 * batch)
+    np.testing.assert_allclose(costs.costs(8, np.array([8.0, 12, 16, 18, 20])), [host(8)] * (K + 1))
+
+
 def test_the_hosts_share_grows_with_the_tokens_a_step_emits() -> None:
     """Postprocessing is per token: on the H100 at c = 8 the host's share was 0.73 ms at k = 0 (8 tokens a
     step) and 1.25 ms at k = 4 (about 31). A k is priced with the tokens it would emit; where the tokens
