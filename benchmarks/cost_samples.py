@@ -3,7 +3,8 @@
 `SampleLog` wraps StepCosts.observe of each engine it is given (in place) and, once, spec_chooser.choose_k. It
 records in one list, each with the variant and round it belongs to and the time:
   * every sample: batch, k, lap, host and device seconds, tokens, and the engine's steps and admissions so far;
-  * every choice: the gains, base, floor and cost row it priced, and the k it kept or took;
+  * every choice: the gains, base, floor and cost row it priced, the host line it read, and the k it kept or took;
+  * every probe of k - 1 below the modules (StepCosts.begin_probe), which a replay starts where the engine did;
   * each cost model's state when wrapped (pickled).
 `--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON. A GPU run's stream can then be priced
 again on the CPU by another cost model and set against the fixed-k cells of the same rounds (replay_costs.py), or
@@ -61,7 +62,14 @@ class SampleLog:
                       overlapped=overlapped, greedy=greedy, step=engine.scheduler.num_steps, admitted=admitted[0])
             observe(batch, k, device, host, overlapped, tokens, greedy, lap)
 
+        begin_probe = costs.begin_probe
+
+        def probed(batch: int, k: int) -> None:  # a probe of k - 1 that draws the host's price of a draft (replayed)
+            self._add("probe", batch=batch, k=k)
+            begin_probe(batch, k)
+
         costs.observe = traced
+        costs.begin_probe = probed
         engine.adaptive.admit = counted
 
     def _traced_choose(self, gains: list[float], base: float, floor: int, cost: Any, current: int,
@@ -69,8 +77,10 @@ class SampleLog:
         k = self._choose(gains, base, floor, cost, current, hysteresis)
         engine = self._engines.get(self.variant) or self._engines.get("")
         batch = engine.adaptive._batch if engine is not None else -1
+        # The host line as the row read it (a, b, the drafts' prices per k, the median): what a replay checks against.
+        line = _host_line(engine.adaptive.costs, batch) if engine is not None and batch > 0 else None
         self._add("choice", batch=batch, gains=list(gains), base=base, floor=floor, cost=[float(c) for c in cost],
-                  current=current, chosen=k)
+                  current=current, chosen=k, line=line)
         return k
 
     def _add(self, kind: str, **fields: Any) -> None:
@@ -82,6 +92,11 @@ class SampleLog:
         spec_chooser.choose_k = self._choose
         text = json.dumps(self.records).encode()
         Path(path).write_bytes(gzip.compress(text) if str(path).endswith(".gz") else text)
+
+
+def _host_line(costs: Any, batch: int) -> list[Any]:
+    a, slope, price, median, _ = costs._host_fit(batch, refit=False)
+    return [float(a), float(slope), [float(p) for p in price], float(median)]
 
 
 def load(path: str | Path) -> list[dict[str, Any]]:

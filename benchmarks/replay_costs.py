@@ -99,6 +99,8 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
         if r["kind"] == "sample":
             costs.observe(r["batch"], r["k"], r["device"], r["host"], r["overlapped"], r["tokens"], r["greedy"],
                           r["lap"])
+        elif r["kind"] == "probe":  # recorded since session AH: older dumps replay without the probes' draws
+            costs.begin_probe(r["batch"], r["k"])
         elif r["kind"] == "choice" and r["batch"] == c:
             tokens = list(accumulate(r["gains"], initial=r["base"]))
             out.append((r, costs.costs(c, tokens, greedy=greedy).tolist()))

@@ -36,7 +36,12 @@ def test_a_tiny_interleaved_run_dumps_each_engine_and_restores_the_chooser(tmp_p
     assert {r["round"] for r in samples} == {0, 1}
     assert {r["k"] for r in samples if r["variant"] == "k=1 c=4"} == {1}
     assert all(r["lap"] >= 0 and r["tokens"] >= r["batch"] for r in samples)
-    assert any(r["kind"] == "choice" and r["variant"] == "k=auto c=4" for r in records)
+    choices = [r for r in records if r["kind"] == "choice" and r["variant"] == "k=auto c=4"]
+    assert choices
+    for r in choices:  # the host line each read: level, token price, a price per k, median
+        if r["batch"] > 0:
+            a, slope, prices, median = r["line"]
+            assert a >= 0 and slope >= 0 and median >= 0 and len(prices) == len(r["cost"])
 
 
 def test_the_replay_prices_as_the_model_fed_the_same_samples() -> None:
@@ -106,3 +111,25 @@ def test_a_model_pickled_before_a_field_was_added_replays_with_the_field_as_it_s
         model.observe(4, 0, 0.8e-3, 0.8e-3, True, 4.0, True, 0.9e-3)
     assert restored.costs(4, [4.0, 6.0, 7.0]).tolist() == current.costs(4, [4.0, 6.0, 7.0]).tolist()
     assert restored._probes == current._probes and not restored.knows_draft_price(4)
+
+
+def test_a_recorded_probe_starts_in_the_replay_where_the_engine_started_it() -> None:
+    """A probe of k - 1 draws the host's price of a draft from its steps and those at k around it: the replay starts
+    it at the recorded step, so its model draws what the engine's drew."""
+    start = StepCosts(max_k=2, max_rows=4, modules=2)
+    state = {"kind": "state", "variant": "k=auto c=4", "costs": base64.b64encode(pickle.dumps(start)).decode()}
+    at_k = [_sample("k=auto c=4", 0, 2, 1e-3, 1.0e-3, 9.0) for _ in range(8)]
+    probe = [_sample("k=auto c=4", 0, 1, 1e-3, 0.8e-3, 9.0) for _ in range(8)]
+    records = [state, *at_k, {"kind": "probe", "variant": "k=auto c=4", "round": 0, "t": 0.0, "batch": 4, "k": 2},
+               *probe, *at_k]
+    replayed: list[StepCosts] = []
+    replay_costs.replay(records, "k=auto c=4", 4, replayed.append)  # the what-if hook hands over its model
+    direct = StepCosts(max_k=2, max_rows=4, modules=2)
+    for r in at_k:
+        direct.observe(r["batch"], r["k"], r["device"], r["host"], r["overlapped"], r["tokens"], r["greedy"], r["lap"])
+    direct.begin_probe(4, 2)
+    for r in probe + at_k:
+        direct.observe(r["batch"], r["k"], r["device"], r["host"], r["overlapped"], r["tokens"], r["greedy"], r["lap"])
+    drawn = direct._draft_draws[direct.bucket(4)]
+    assert list(drawn) == [pytest.approx(0.05e-3)]  # (1.0 - 0.8) ms a step of 4 requests, one draft each
+    assert list(replayed[0]._draft_draws[direct.bucket(4)]) == list(drawn)
