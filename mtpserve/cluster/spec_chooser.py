@@ -71,6 +71,12 @@ class AdaptiveConfig:
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
+    # A probe of k - 1 below the modules lasts this many steps: the host's price of a draft it draws stands for the
+    # rest of the run once StepCosts.DRAFT_DRAWS probes drew it, and about half of a probe's steps are timed. Of
+    # min_dwell (3 or 4 timed) the five draws at T = 1, c = 8 on the H200 read 0, 4.6, 7.2, 0 and 9.7 us a request,
+    # where auto's own k = 2 and 3 differed by about 8 beyond their tokens, and k = 2 was priced 3-6 % dear from k = 3
+    # (run 307). Each probe costs one catch-up whatever its length.
+    draw_dwell: int = 24
     max_dwell: int = 128  # the dwell doubles, up to this, while the choice holds
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
     # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
@@ -214,7 +220,8 @@ class AdaptiveSpec:
             spent = time.perf_counter() - t0
             self._spent += spent
             if changed or self._probed_from >= 0:
-                self.dwell = self.config.min_dwell
+                drawing = k == self._probed_from - 1 and self._probed_from <= self._modules  # see draw_dwell
+                self.dwell = self.config.draw_dwell if drawing else self.config.min_dwell
             else:
                 self.dwell = self._dwell(spent + self._prepared_seconds, float(costs[k]))
             self._prepared_seconds = 0.0

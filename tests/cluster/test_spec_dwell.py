@@ -4,6 +4,8 @@ test_spec_chooser.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -369,8 +371,9 @@ def test_a_k_past_the_modules_probes_k_minus_1_and_learns_what_a_draft_costs_the
     of its own: at c = 128 on the H100 auto ran k = 4 throughout where fixed k = 3 ran 5 % faster (run 214).
     With 3 modules, k = 4 recurses on the last one, so k = 3 is probed for a dwell (no module falls behind)
     and the line draws the draft term. (At k = 3, within the modules, k = 2 is then probed until DRAFT_DRAWS
-    probes drew the price below them, a host window or more apart: over by the last 200 of 1000 steps.)"""
-    ks = _host_bound_run(modules=3, steps=1000)
+    probes drew the price below them, a host window or more apart, each draw_dwell steps: over by the last 200 of
+    1200 steps.)"""
+    ks = _host_bound_run(modules=3, steps=1200)
     assert 3 in ks[:120]  # probed once k = 4 had held for a host window
     assert ks[-200:].count(3) >= 180, ks[-200:]  # and chosen once three probes drew the price alike
 
@@ -382,10 +385,22 @@ def test_a_k_within_the_modules_probes_k_minus_1_until_the_draft_price_is_drawn(
     more: the line keeps what they drew."""
     ks = _host_bound_run(modules=K, steps=1000)
     assert ks[-200:].count(3) >= 180, ks[-200:]  # found k = 3, as over 3 modules
-    free = _host_bound_run(modules=K, steps=1200, draft_us=0.0)  # a draft costs the host nothing: k = 4 is best
+    free = _host_bound_run(modules=K, steps=1500, draft_us=0.0)  # a draft costs the host nothing: k = 4 is best
     probes = [i for i, k in enumerate(free) if k < K and (i == 0 or free[i - 1] == K)]
     assert 1 <= len(probes) <= StepCosts.DRAFT_DRAWS, probes
     assert free[-600:] == [K] * 600  # the price drawn: no probe since
+
+
+def test_a_probe_below_the_modules_lasts_draw_dwell_steps_and_one_past_them_min_dwell() -> None:
+    """A probe below the modules draws the host's price of a draft for the rest of the run from its timed steps: of
+    min_dwell's 3 or 4 the draws at T = 1, c = 8 on the H200 read 0 to 9.7 us where the price was about 8 (run 307).
+    It lasts draw_dwell steps; a probe past the modules, drawn anew every probe_after steps, min_dwell."""
+    config = AdaptiveConfig(max_k=K, max_rows=8)
+    runs = [(k, len(list(steps))) for k, steps in itertools.groupby(_host_bound_run(modules=3, steps=1200))]
+    below = [n for (k, n), (before, _) in zip(runs[1:], runs) if before == 3 and k == 2]
+    past = [n for (k, n), (before, _), (after, _) in zip(runs[1:], runs, runs[2:]) if before == 4 == after and k == 3]
+    assert below and all(n == config.draw_dwell for n in below), runs
+    assert past and all(n == config.min_dwell for n in past), runs
 
 
 def _accepting_spec(adaptive: list[bool], device_us: float) -> tuple[AdaptiveSpec, np.ndarray]:
