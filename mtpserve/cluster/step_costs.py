@@ -41,24 +41,18 @@ class StepCosts:
     sampled batch at a fraction of their cost. The host's share is one line per bucket for both.
 
     Overlapped, a step whose host waited for the device lasts longer than the device's share: its period
-    also holds what the timing events leave out (the step's copy in and state scatter before the first
-    event, the host's wake-up after the last). That gap is learned from such laps (lap - device, a
-    median over the recent ones of the batch's bucket) and added to the device's share: at T = 1, c = 8
-    on the H100 the laps exceeded max(host, device) by 0.05-0.26 ms (10-24 %), about the same at every
-    device-bound k. One median for every bucket read 3.7 ms at c = 8 after a closed loop had drained
-    through small batches (step_costs.py, run 66), and priced every k at 4 ms there. Nor is it added to a k
-    whose own recent laps were mostly host-bound: at T = 1, c = 8 the bucket's gap, 0.165 ms from k = 3's
-    device-bound laps, priced host-bound k = 2 steps at 0.65 ms where they took 0.59, k = 3 looked as good,
-    and auto ran it for half its steps at 0.88 of fixed k = 2 (run 178). Such a k is priced at
-    max(host, device); a k with no recent lap of its own takes the bucket's gap.
+    also holds what the timing events leave out (the copy in and state scatter before the first event, the
+    host's wake-up after the last). That gap (lap - device, a median over the bucket's recent such laps) is
+    added to the device's share, at T = 1, c = 8 on the H100 0.05-0.26 ms (10-24 %); one median for every
+    bucket had priced every k at 4 ms after a drain (run 66). Not to a k whose own recent laps were mostly
+    host-bound, which is priced at max(host, device): there the gap of k = 3 priced k = 2 at 0.65 ms where its
+    steps took 0.59, and auto ran k = 3 at 0.88 of fixed k = 2 (run 178). A k without laps takes the bucket's.
 
     The device's share is learned only from laps the device ran through: the host waited for it, or the lap
     outlasted the device's share by at most DEVICE_BOUND of itself (and from serial steps). Where the host is the
-    slower, the device idles for each launch and its timed share also holds the graph's start after that:
-    at T = 1, c = 1 on the H200, k = 1 read 0.314-0.336 ms in host-bound laps against 0.294-0.296 in
-    device-bound ones, k = 2 0.384-0.412 against 0.372 (runs 255 and 264). Such a cell then kept the high
-    reading while auto ran another k, and priced k = 2 at 0.44 ms where its steps took 0.38: auto ran k = 3
-    for 776 of 1032 steps at 0.83 of fixed k = 2 (run 264). A host-bound step is priced at the host's share.
+    slower, the device idles for each launch and its timed share also holds the graph's start: at T = 1, c = 1
+    on the H200 k = 2 read 0.384-0.412 ms in host-bound laps against 0.372, and so priced auto ran k = 3 at 0.83
+    of fixed k = 2 (runs 255, 264). A host-bound step is priced at the host's share.
     """
 
     HOST_WINDOW = 64  # host samples per bucket behind its line (more than a cell's: tokens must vary)
@@ -82,7 +76,8 @@ class StepCosts:
         self.modes = {greedy: DeviceCosts(max_k, self._sizes, window, per_draft_cost) for greedy in (True, False)}
         # Per bucket, (host, tokens, k) per request of its last HOST_WINDOW samples, any k.
         self.host_recent = [deque(maxlen=self.HOST_WINDOW) for _ in range(nb)]
-        self.host_batches = [deque(maxlen=self.HOST_WINDOW) for _ in range(nb)]  # the batch of each of those samples
+        # Per bucket and batch size, that batch's last `window` samples (see _at_batch).
+        self.host_by_batch: list[dict[int, deque]] = [{} for _ in range(nb)]
         self.host_samples = [0] * nb
         # Per bucket, the last slope its window could draw: a window that holds one k alone (auto dwelling on
         # its choice) keeps it, instead of pricing the host of every k alike whatever tokens it would emit
@@ -98,18 +93,14 @@ class StepCosts:
         # draft reruns the last module (no KV group of its own): its price says nothing of a draft below the
         # modules, and extrapolated there it sent auto at T = 1, c = 256 from k = 4 to k = 1 (H100, run 227).
         self.host_recursion_slopes: list[float | None] = [None] * nb
-        # Per bucket, that price as the last RECURSION_DRAWS probes drew it (one draw per probe, refined while its
-        # samples stay in the window), and the sample count at the last one's probe. A probe lasts a few steps,
-        # and the host's speed moved 2x within seconds on the H100's host: drawn from one probe, the price read
-        # 16 us a request where fixed k = 4 ran 7 % faster than k = 3, and auto ran k = 3 for a quarter of
-        # a random-prompt cell at c = 128 (run 235). Their lower median is the price once there are enough.
+        # Per bucket, that price as the last RECURSION_DRAWS probes drew it (one a probe, refined while its samples
+        # stay in the window; their lower median is the price), and the sample count at the last one's probe: drawn
+        # from one probe on a drifting host it read 16 us a request where k = 4 ran 7 % faster (run 235).
         self._recursion_draws = [deque(maxlen=self.RECURSION_DRAWS) for _ in range(nb)]
         self._recursion_probe = [-1] * nb
         # Per bucket, the price of a draft below the modules as the last DRAFT_DRAWS probes drew it, each A/B/A
-        # (paired_probe.py; host_draft_slopes is their median once there is one, a window's draw before): at T = 1,
-        # c = 8 on a slow H200 host auto dwelt on k = 3 and no window drew it, every k priced at the host level of
-        # k = 3 (k = 1 at 1.17x its real laps, k = 2 at 1.12x, run 300), and the windows that held two k read the
-        # host's speed changes as the price (run 301). The probe in progress, if any.
+        # (paired_probe.py; host_draft_slopes is their median, a window's draw before the first): no window drew it
+        # where auto dwelt on one k (run 300), and those that held two read the host's speed changes (run 301).
         self._draft_draws = [deque(maxlen=self.DRAFT_DRAWS) for _ in range(nb)]
         self._probes: list[PairedProbe | None] = [None] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
@@ -135,8 +126,12 @@ class StepCosts:
         `overlapped`: the two ran side by side; `greedy`: every request of the batch was greedy. Plain Python:
         the engine pays it every step."""
         b, per = self.bucket(batch), max(batch, 1)
-        self.host_recent[b].append((host / per, tokens / per, k))
-        self.host_batches[b].append(batch)
+        sample = (host / per, tokens / per, k)
+        self.host_recent[b].append(sample)
+        same = self.host_by_batch[b].get(batch)
+        if same is None:
+            same = self.host_by_batch[b][batch] = deque(maxlen=self.window)
+        same.append(sample)
         self.host_samples[b] += 1
         self.k_seen[b][k] = self.host_samples[b]
         probe = self._probes[b]
@@ -308,27 +303,20 @@ class StepCosts:
 
     def _host_fit(self, batch: int, refit: bool = True) -> tuple[float, float, list[float], float, list[float]]:
         """(a, b, price, median, spread): seconds = a + b * tokens + batch * price[k], price[k] = c * k (c past the
-        modules where drawn there: see host_recursion_slopes). The line is drawn per request
-        (host / batch against tokens / batch and k): within one bucket a draining batch moves host and tokens
-        together, and a line through the raw pairs had read 0.014 ms a token from above -1.8 ms at c = 256
-        (run 69), pricing k = 0 best. A bucket without samples (one a batch passes through while it ramps
-        up) borrows the nearest sampled bucket's line, scaled to its own batch the same way: the host's share
-        grows with the requests it handles, and a row of device time alone would price drafts as if the
-        host were free. Zeros before any sample.
+        modules where drawn there: see host_recursion_slopes). The line is drawn per request (host / batch against
+        tokens / batch and k): through the raw pairs of a draining batch it had read 0.014 ms a token from above
+        -1.8 ms at c = 256, pricing k = 0 best (run 69). A bucket without samples borrows the nearest sampled
+        bucket's line, scaled to its own batch the same way (device time alone would price drafts as if the host
+        were free). Zeros before any sample.
 
-        The host's speed (and the median) follow the bucket's newest samples at every call; the line itself, its
-        level and slopes b and c drawn from its whole window, is fitted again only once the bucket's samples have
-        grown by half since the last fit, or by HOST_REFIT: a fit is most of a full choice's host time (about
-        0.4 ms of 1.1 on the H100's host, run 168), half a window moves it little, and a small bucket that a
-        draining batch passes through would otherwise fit at every choice. The speed scales the whole line (see
-        host_fits.speeds).
+        The host's speed (and the median) follow the newest samples at every call (see _at_batch); the line itself,
+        its level and slopes drawn from the bucket's whole window, is fitted again only once its samples have grown
+        by half since the last fit, or by HOST_REFIT: a fit was most of a full choice's host time (about 0.4 ms of
+        1.1 on the H100's host, run 168). The speed scales the whole line (host_fits.speeds).
 
-        spread: each newest sample's speed over the speed now (their lower median), at most 2 (the line's fits
-        leave out samples over twice their median). A step lasts the longer of host and device: where the two
-        are close, every slow host lap is a slow step. At T = 1, c = 1 on the H100 fixed k = 0's laps had a
-        median of 0.196 ms (host 0.189, device 0.190) and a mean of 0.212, k = 2's 0.387 and 0.393: priced at
-        their medians, the two looked 5 % apart where k = 2 ran 12 % faster, and auto ran k = 0 for half its
-        steps (run 238)."""
+        spread: each newest sample's speed over the speed now (their lower median), at most 2. A step lasts the
+        longer of host and device: where the two are close, every slow host lap is a slow step (at T = 1, c = 1 on
+        the H100, priced at medians k = 0 and 2 looked 5 % apart where k = 2 ran 12 % faster, run 238)."""
         b = self._sampled_bucket(batch)
         if b is None:
             return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0, [1.0]
@@ -343,14 +331,15 @@ class StepCosts:
                 lower_median([s for s, _, _ in newest]) * batch, spread)
 
     def _at_batch(self, b: int, batch: int) -> list[tuple[float, float, int]]:
-        """Bucket b's newest `window` samples taken at this very batch size, where its window holds at least half
-        as many (else none): the host's speed is read from them. A step's host has a part per step besides the part
-        per request (at T = 1, c = 8 on the H200 about 0.22 ms + 0.033 ms a request), which the line, drawn per
-        request, spreads over the batch: a drain's steps of 5 requests read 82 us a request where full ones read
-        61. Read from them, the speed priced the next cell's first choices at 1.27x k = 2's real laps, every k at
-        the same host level, and auto ran k = 4 for 62 % of each cell's first 50 steps (run 305)."""
-        same = [x for x, n in zip(reversed(self.host_recent[b]), reversed(self.host_batches[b])) if n == batch]
-        return same[: self.window] if 2 * len(same) >= self.window else []
+        """Bucket b's newest `window` samples taken at this very batch size, the newest first, where there are at
+        least half as many (else none): the host's speed is read from them. A step's host has a part per step
+        besides the part per request (at T = 1, c = 8 on the H200 about 0.22 ms + 0.033 ms a request), which the
+        line, drawn per request, spreads over the batch: a drain's steps of 5 requests read 82 us a request where
+        full ones read 61. Read from them, the speed priced the next cell's first choices at 1.27x k = 2's real
+        laps, every k at the same host level, and auto ran k = 4 for 62 % of each cell's first 50 steps (run 305).
+        Kept apart from the bucket's window, which a drain can fill (at c = 8, 64 steps of 5 requests, run 308)."""
+        same = self.host_by_batch[b].get(batch, ())
+        return list(reversed(same)) if 2 * len(same) >= self.window else []
 
     def _refit(self, b: int) -> list[tuple[float, float, int]]:
         """Bucket b's newest samples (per request), its line fitted again first where that is due (see _host_fit)."""

@@ -147,6 +147,9 @@ def test_the_hosts_speed_is_read_from_steps_of_the_batch_priced() -> None:
     for batch in (7, 6, 5) * 4:  # the drain: a window's newest 16 hold 4 full steps
         costs.observe(batch, 2, 1e-4, host=host(batch), overlapped=True, tokens=2 * batch)
     np.testing.assert_allclose(costs.costs(8, np.array([8.0, 12, 16, 18, 20])), [host(8)] * (K + 1))
+    for _ in range(StepCosts.HOST_WINDOW):  # a drain long enough to fill the bucket's whole window
+        costs.observe(5, 2, 1e-4, host=host(5), overlapped=True, tokens=10)
+    np.testing.assert_allclose(costs.costs(8, np.array([8.0, 12, 16, 18, 20])), [host(8)] * (K + 1))
 
 
 def test_the_hosts_share_grows_with_the_tokens_a_step_emits() -> None:
