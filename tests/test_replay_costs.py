@@ -36,11 +36,26 @@ def test_a_tiny_interleaved_run_dumps_each_engine_and_restores_the_chooser(tmp_p
     assert {r["round"] for r in samples} == {0, 1}
     assert {r["k"] for r in samples if r["variant"] == "k=1 c=4"} == {1}
     assert all(r["lap"] >= 0 and r["tokens"] >= r["batch"] for r in samples)
-    choices = [r for r in records if r["kind"] == "choice" and r["variant"] == "k=auto c=4" and r["batch"] > 0]
-    assert choices
-    for r in choices:  # the host line each read: level, token price, a price per k, median
-        a, slope, prices, median = r["line"]
-        assert a >= 0 and slope >= 0 and median >= 0 and len(prices) == len(r["cost"])
+    # Each full choice's host line (level, token price, a price per k, median) is the one a model fed the same
+    # samples reads right after pricing the same row.
+    lines: list[list] = []
+
+    def recording(costs: StepCosts) -> None:
+        priced = costs.costs
+
+        def costs_and_line(batch: int, *args: object, **kwargs: object) -> object:
+            row = priced(batch, *args, **kwargs)
+            a, slope, prices, median, _ = costs._host_fit(batch, refit=False)
+            lines.append([a, slope, list(prices), median])
+            return row
+
+        costs.costs = costs_and_line  # type: ignore[method-assign]
+
+    rows = replay_costs.replay(records, "k=auto c=4", 4, recording)
+    assert rows and len(lines) == len(rows)
+    flat = lambda line: [line[0], line[1], *line[2], line[3]]  # noqa: E731
+    for (choice, _), line in zip(rows, lines):
+        assert flat(choice["line"]) == pytest.approx(flat(line), rel=1e-9)
 
 
 def test_the_replay_prices_as_the_model_fed_the_same_samples() -> None:

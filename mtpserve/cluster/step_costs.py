@@ -320,8 +320,9 @@ class StepCosts:
         b = self._sampled_bucket(batch)
         if b is None:
             return 0.0, 0.0, [0.0] * (self.max_k + 1), 0.0, [1.0]
-        newest = self._refit(b) if refit else self._newest(b)
-        newest = self._at_batch(b, batch) or newest
+        if refit:
+            self._refit(b)
+        newest = self._at_batch(b, batch) or self._newest(b)
         (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
         price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
         speeds = host_fits.speeds(newest, base, slope, price)
