@@ -41,10 +41,13 @@ class StepPlan:
     # Per request: drafts its chain makes this step (adaptive speculation chooses it per step, at most the
     # request's num_spec; docs/design.md §9). Empty: every request's own num_spec.
     num_spec: list[int] = field(default_factory=list)
+    # Positions the workers recompute beyond num_tokens so that lagging modules catch up (docs/design.md §9), as
+    # the scheduler counted them against the step's token budget: such a step is no plain decode step.
+    catch_up_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(self.num_tokens) + sum(self.num_drafts)
+        return sum(self.num_tokens) + sum(self.num_drafts) + self.catch_up_tokens  # what the budget counted
 
 
 @dataclass

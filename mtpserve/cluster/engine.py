@@ -249,7 +249,8 @@ class LLMEngine:
         back, host work that grows with the batch: counted as waiting, it made host-bound laps at c = 256
         look device-bound); run serially, the device's is the time inside the executor."""
         k = max(plan.num_spec, default=0)
-        seconds = self._step_clock.lap((k, stats.num_prompt_tokens == 0 and not plan.new_requests))
+        decode = stats.num_prompt_tokens == 0 and not plan.new_requests and not plan.catch_up_tokens
+        seconds = self._step_clock.lap((k, decode))
         (inside, waited), self._executor_seconds = self._executor_seconds, [0.0, 0.0]
         # A graph captured inside the lap (a shape first seen, e.g. the window after k fell) took it over.
         captures, self._captures_seen = self._captures_seen, getattr(self.executor, "num_captures", 0)

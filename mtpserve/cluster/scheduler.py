@@ -101,13 +101,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            spec = self._spec(req)
-            n, d = self._chunk(req, budget, spec)
+            spec, rewind = self._spec_within(req, budget)
+            n, d = self._chunk(req, budget - rewind, spec)
             new_blocks = self._grow(req, n, d, plan)
             if new_blocks is None:
                 break  # `req` itself was the newest and got preempted
             self._add_to_plan(plan, req, n, d, new_blocks, spec)
-            budget -= n + d
+            plan.catch_up_tokens += rewind
+            budget -= n + d + rewind
             i += 1
         # After a preemption, admitting new work would only evict it again.
         preempted = self.num_preemptions > preemptions_before
@@ -255,6 +256,21 @@ class Scheduler:
         if live < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP:
             return live
         return k
+
+    def _spec_within(self, req: Request, budget: int) -> tuple[int, int]:
+        """(_spec(req), the positions the workers recompute for it this step) within the step's token budget: where
+        k rises past modules that lagged, the workers rewind the request over about its lag (design §9), which the
+        budget must hold with the request's own token; else the request keeps its live modules' drafts for now and
+        catches up in a later step (where no step's budget can hold it, never: see MAX_CATCH_UP). Uncounted, 32
+        requests rising together, each up to MAX_CATCH_UP positions behind, recomputed up to 8192 positions in one
+        step against the default budget of 2048, past the largest prefill graph (4096 rows) and so through the eager
+        general path."""
+        spec = self._spec(req)
+        if not 0 <= req.live_spec < spec:
+            return spec, 0
+        # From where the lag began (a later fall lags less), and module m commits m positions behind the target.
+        rewind = req.num_computed - req.lag_from + self.config.num_mtp_modules - 1
+        return (spec, rewind) if rewind < budget else (req.live_spec, 0)
 
     def _modules(self, spec: int) -> int:
         """The MTP modules a chain of `spec` drafts runs: past the last one the chain runs it again, so a k
