@@ -133,17 +133,22 @@ class PhaseSums:
 
     def add(self, k: int | str, c: int) -> None:
         records = self.tracers[k].records
+        last_k = records[0].k if records else 0
         for r, phase in zip(records, cell_phases.phase_of(records, c)):
-            for key in (phase, "choosing") if r.chose else (phase,):
+            extra = (("choosing",) if r.chose else ()) + (("k moved",) if r.k != last_k else ())
+            last_k = r.k
+            for key in (phase, *extra):
                 steps, seconds, tokens = self.sums[k].setdefault(key, [0, 0.0, 0])
                 self.sums[k][key] = [steps + 1, seconds + r.seconds, tokens + r.tokens]
 
     def table(self, c: int) -> Table:
+        extra = ("choosing", "k moved")
         t = Table(f"phases at c = {c}, summed over rounds: steps / ms / tok/ms (choosing: the steps in which auto "
-                  "chose, any phase)", ["variant", *cell_phases.PHASES, "choosing"])
+                  "chose, any phase; k moved: the steps whose k was not the step's before)",
+                  ["variant", *cell_phases.PHASES, *extra])
         for k, sums in self.sums.items():
             t.add(f"MTP{k}", *(f"{int(n)} / {s * 1e3:.0f} / {tok / max(s * 1e3, 1e-9):.1f}" if n else "0"
-                               for n, s, tok in (sums.get(p, (0, 0.0, 0)) for p in (*cell_phases.PHASES, "choosing"))))
+                               for n, s, tok in (sums.get(p, (0, 0.0, 0)) for p in (*cell_phases.PHASES, *extra))))
         return t
 
 
