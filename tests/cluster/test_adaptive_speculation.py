@@ -229,21 +229,22 @@ def test_k_past_the_modules_falls_and_rises_without_a_catch_up(partly_trained: P
 
 
 def _timed_by_launches(model: Path, monkeypatch: pytest.MonkeyPatch, cost: Callable[[StepPlan, int], float],
-                       **engine_args) -> tuple[LLM, list[float], SimpleNamespace]:
-    """An async engine whose clock moves only when a step is launched, by cost(plan, launches so far), and
-    the step-cost samples it learns, as whole laps (appended as they come; on the CPU the runner works
+                       async_scheduling: bool = True, **engine_args) -> tuple[LLM, list[float], SimpleNamespace]:
+    """An engine (async by default) whose clock moves only when a step is launched, by cost(plan, launches so far),
+    and the step-cost samples it learns, as whole laps (appended as they come; on the CPU the runner works
     inside the launch, so the engine takes that time for the device's share and the rest for the host's)."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
-    llm = LLM(str(model), block_size=4, async_scheduling=True, **engine_args)
-    submit, launches = llm.engine.executor.submit, [0]
+    llm = LLM(str(model), block_size=4, async_scheduling=async_scheduling, **engine_args)
+    method = "submit" if async_scheduling else "execute"  # what the engine launches a step with
+    submit, launches = getattr(llm.engine.executor, method), [0]
 
     def launch(plan: StepPlan):
         launches[0] += 1
         clock.now += cost(plan, launches[0])
         return submit(plan)
 
-    monkeypatch.setattr(llm.engine.executor, "submit", launch)
+    monkeypatch.setattr(llm.engine.executor, method, launch)
     samples: list[float] = []
     observe = StepCosts.observe
 
@@ -295,6 +296,32 @@ def test_a_lap_that_launched_a_prompt_is_not_a_step_cost(partly_trained: Path, m
     llm.generate(prompts_of(64, [5, 9, 14, 20, 3, 11, 7], seed=12), GREEDY)  # 7 requests through 2 slots
     assert llm.engine.num_overlapped_steps > 20 and len(samples) > 20
     assert set(samples) == {1.0}, sorted(set(samples))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_a_lap_that_caught_modules_up_is_not_a_step_cost(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          overlap: bool) -> None:
+    """A rise of k spread over several steps by the token budget: in the later ones the requests caught up before
+    verify k drafts beside the catch-ups of the others, and such a lap would read a decode step plus a prefill (with
+    async scheduling such a step is launched synchronously, which ends the pipeline anyway). The fake clock moves by
+    five units per launch that carries catch-ups and by one per other launch."""
+    force_k(monkeypatch, ([3] * 6 + [1] * 10) * 8)
+    llm, samples, _ = _timed_by_launches(partly_trained, monkeypatch,
+                                         lambda plan, n: 5.0 if plan.catch_up_tokens else 1.0, overlap,
+                                         max_num_seqs=8, max_num_batched_tokens=48)
+    spread = []  # per step with catch-ups, whether another request verified the step's k drafts in it
+    method = "submit" if overlap else "execute"
+    submit = getattr(llm.engine.executor, method)
+
+    def watched(plan: StepPlan):
+        if plan.catch_up_tokens:
+            spread.append(max(plan.num_drafts) == max(plan.num_spec))
+        return submit(plan)
+
+    monkeypatch.setattr(llm.engine.executor, method, watched)
+    llm.generate(prompts_of(64, [5, 9, 14, 7, 11, 6, 13, 8], seed=21), GREEDY)
+    assert any(spread), spread  # the case this guards: a catch-up beside drafts at the step's k
+    assert len(samples) > 10 and set(samples) == {1.0}, sorted(set(samples))
 
 
 def test_a_lap_that_held_a_graph_capture_is_not_a_step_cost(partly_trained: Path,
