@@ -101,7 +101,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            spec, rewind = self._spec_within(req, budget)
+            # A catch-up leaves the requests after this one their own decode window at the step's k.
+            spec, rewind = self._spec_within(req, budget - (len(self.running) - i - 1) * (1 + (self.step_k or 0)))
             n, d = self._chunk(req, budget - rewind, spec)
             new_blocks = self._grow(req, n, d, plan)
             if new_blocks is None:
@@ -258,9 +259,9 @@ class Scheduler:
         return k
 
     def _spec_within(self, req: Request, budget: int) -> tuple[int, int]:
-        """(_spec(req), the positions the workers recompute for it this step) within the step's token budget: where
-        k rises past modules that lagged, the workers rewind the request over about its lag (design §9), which the
-        budget must hold with the request's own token; else the request keeps its live modules' drafts for now and
+        """(_spec(req), the positions the workers recompute for it this step) within `budget` tokens: where k rises
+        past modules that lagged, the workers rewind the request over about its lag (design §9), which the budget
+        must hold with the request's own token; else the request keeps its live modules' drafts for now and
         catches up in a later step (where no step's budget can hold it, never: see MAX_CATCH_UP). Uncounted, 32
         requests rising together, each up to MAX_CATCH_UP positions behind, recomputed up to 8192 positions in one
         step against the default budget of 2048, past the largest prefill graph (4096 rows) and so through the eager

@@ -173,13 +173,15 @@ def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
 def test_catch_ups_stay_within_the_steps_token_budget(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rise of k past lagging modules rewinds each request over its lag: the scheduler counts those positions
     against max_num_batched_tokens, and a request the step cannot hold keeps its live modules' drafts and catches up
-    in a later step. Eight requests lag for 12 steps (about 30 positions each); with a budget of 64 the workers'
-    rewinds spread over several steps, none past the budget, and the outputs stay those without speculation."""
+    in a later step, leaving every other request its decode window. Eight requests lag for 12 steps (about 30
+    positions each); with a budget of 64 the workers' rewinds spread over several steps, none past the budget, no
+    request sits one out, and the outputs stay those without speculation."""
     prompts = prompts_of(64, [5, 9, 14, 7, 11, 6, 13, 8], seed=21)
-    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, GREEDY)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)  # long enough for every catch-up
+    expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, params)]
     force_k(monkeypatch, [3] * 2 + [1] * 12 + [3] * 60)
     llm = LLM(str(partly_trained), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
-    runner, computed, counted = llm.engine.executor.runner, [], []
+    runner, computed, counted, whole = llm.engine.executor.runner, [], [], []
     catch_up = runner._catch_up
 
     def recorded(reqs, plan):  # each step's positions as the workers compute them, rewinds included
@@ -187,14 +189,16 @@ def test_catch_ups_stay_within_the_steps_token_budget(partly_trained: Path, monk
         if rewound is not plan:
             computed.append(sum(rewound.num_tokens) + sum(rewound.num_drafts))
             counted.append(plan.catch_up_tokens)
+            whole.append(len(plan.req_ids) == len(llm.engine.scheduler.running))
         return rewound
 
     runner._catch_up = recorded
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert runner.num_catch_ups == len(prompts)  # every request caught up, once
     assert len(computed) > 2, computed  # not all in one step
     assert max(computed) <= 64, computed
     assert all(c > 0 for c in counted)  # the plans said they carried catch-ups (no decode lap: the engine's clock)
+    assert all(whole), whole  # every running request had its step beside the catch-ups
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
