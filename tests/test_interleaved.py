@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cell_phases  # noqa: E402
 import interleaved  # noqa: E402
 
 from mtpserve.cluster.spec_chooser import AdaptiveConfig  # noqa: E402
@@ -108,8 +109,21 @@ def test_phases_sum_each_variants_steps_over_its_rounds(capsys: pytest.CaptureFi
     assert set(rows) == {"MTP1", "MTPauto"}
     fixed = rows["MTP1"].split("MTP1", 1)[1]
     cells = [c.strip() for c in fixed.split("  ") if c.strip()]
-    assert len(cells) == 6 and cells[-1] == "0"  # five phases, and a fixed k never chooses
+    assert len(cells) == 7 and cells[-2:] == ["0", "0"]  # five phases; a fixed k never chooses, nor moves
     full_steps, full_ms, _ = (float(x) for x in cells[0].split(" / "))
     assert full_steps >= 4 and full_ms > 0  # two cells of 8 requests of 16 tokens, 4 at a time: full steps in each
     prompt_steps = int(cells[2].split(" / ")[0])
     assert prompt_steps >= 2  # each of the two cells starts with a prompt step
+
+
+def test_phases_count_the_steps_whose_k_moved() -> None:
+    """'k moved': the steps whose k was not the step's before, within a cell (the first step of a cell moves nothing)."""
+    sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
+    sums.sums = {"auto": {}}
+    for ks in ([2, 2, 3, 3, 2, 2], [3, 3, 3, 2, 2, 2]):  # the second cell starts at another k than the first ended
+        records = [cell_phases.StepRecord(0.001 * (i + 1), 4, 0, 3, k, 0, 0.0, 0) for i, k in enumerate(ks)]
+        sums.tracers = {"auto": SimpleNamespace(records=records)}
+        sums.add("auto", 4)
+    steps, seconds, tokens = sums.sums["auto"]["k moved"]
+    assert (steps, tokens) == (3, 9) and seconds == pytest.approx(0.003 + 0.005 + 0.004)
+    assert sums.sums["auto"]["full"][0] == 12

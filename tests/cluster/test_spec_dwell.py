@@ -347,6 +347,9 @@ def _host_bound_run(modules: int, steps: int = 480, seed: int = 0, draft_us: flo
     and the device 100 + 10 k us (the start-up seeds say so exactly). Best at 10 us: k = 3 (10 % ahead of k = 4);
     priced without the host's draft term, k = 4 looks 3 % ahead. -> the k of every step."""
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=8, max_dwell=64, modules=modules))
+    # Each choice costs the host 200 us (about what it takes here), not the time it took: paced by the latter, the
+    # dwells grew on a loaded machine and the probes came later than the steps this simulates.
+    spec._dwell = lambda choice_seconds, step_seconds: AdaptiveSpec._dwell(spec, 200e-6, step_seconds)
     rows = np.array([spec.admit(K, True) for _ in range(8)])
     reach = np.array([0.95, 0.9, 0.85, 0.2])
     p = reach / np.concatenate(([1.0], reach[:-1]))  # conditional acceptance per position
