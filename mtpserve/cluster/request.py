@@ -47,6 +47,7 @@ class Request:
     modules_exact_upto: int | None = None
     live_spec: int = -1  # drafts whose modules are all committed to the frontier (-1: all of num_spec)
     lag_from: int | None = None  # where the modules past live_spec began to lag (a catch-up rewinds about there)
+    catch_up_owed: bool = False  # a rise of k found the step's budget full: MAX_CATCH_UP no longer stops it
 
     def __post_init__(self) -> None:
         # Built once: append_verified runs per request per step, on the engine's hot path.

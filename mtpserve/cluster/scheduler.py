@@ -254,7 +254,7 @@ class Scheduler:
         live = req.live_spec
         if live < 0:
             return cap if len(req.token_ids) - req.num_computed > self.MAX_CATCH_UP else k
-        if live < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP:
+        if live < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP and not req.catch_up_owed:
             return live
         return k
 
@@ -262,15 +262,19 @@ class Scheduler:
         """(_spec(req), the positions the workers recompute for it this step) within `budget` tokens: where k rises
         past modules that lagged, the workers rewind the request over about its lag (design §9), which the budget
         must hold with the request's own token; else the request keeps its live modules' drafts for now and
-        catches up in a later step (where no step's budget can hold it, never: see MAX_CATCH_UP). Uncounted, 32
-        requests rising together, each up to MAX_CATCH_UP positions behind, recomputed up to 8192 positions in one
-        step against the default budget of 2048, past the largest prefill graph (4096 rows) and so through the eager
-        general path."""
+        catches up in a later step. Uncounted, 32 requests rising together, each up to MAX_CATCH_UP positions
+        behind, recomputed up to 8192 positions in one step against the default budget of 2048, past the largest
+        prefill graph (4096 rows) and so through the eager general path."""
         spec = self._spec(req)
         if not 0 <= req.live_spec < spec:
+            req.catch_up_owed = False
             return spec, 0
         # From where the lag began (a later fall lags less), and module m commits m positions behind the target.
         rewind = req.num_computed - req.lag_from + self.config.num_mtp_modules - 1
+        # Owed until done or k falls again, however far it lags meanwhile: where a step holds a few catch-ups, the
+        # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256, k = 4
+        # and the default budget, about three of 200 positions fit beside the decode windows).
+        req.catch_up_owed = rewind >= budget
         return (spec, rewind) if rewind < budget else (req.live_spec, 0)
 
     def _modules(self, spec: int) -> int:
@@ -373,6 +377,7 @@ class Scheduler:
             req.resume_token = req.token_ids.pop()
         req.status, req.num_computed, req.num_drafts, req.kv_room = Status.WAITING, 0, 0, -1
         req.modules_exact_upto, req.live_spec, req.lag_from = None, -1, None  # the prefill runs every module again
+        req.catch_up_owed = False
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -170,24 +170,31 @@ def test_catch_ups_verify_no_drafts_and_take_prefill_steps(partly_trained: Path,
     assert not general, "every catch-up was an aligned chunk without drafts"
 
 
-def test_catch_ups_stay_within_the_steps_token_budget(partly_trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("max_catch_up", [256, 27])
+def test_catch_ups_stay_within_the_steps_token_budget(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      max_catch_up: int) -> None:
     """A rise of k past lagging modules rewinds each request over its lag: the scheduler counts those positions
     against max_num_batched_tokens, and a request the step cannot hold keeps its live modules' drafts and catches up
     in a later step, leaving every other request its decode window. Eight requests lag for 12 steps (about 30
     positions each); with a budget of 64 the workers' rewinds spread over several steps, none past the budget, no
-    request sits one out, and the outputs stay those without speculation."""
+    request sits one out, and the outputs stay those without speculation. A catch-up deferred so is owed: with
+    MAX_CATCH_UP 27 a request whose lag was 24 at the rise waits its turn until the lag is past 27 (the lags grow
+    about one a step at k = 1), and still catches up."""
+    monkeypatch.setattr(Scheduler, "MAX_CATCH_UP", max_catch_up)
     prompts = prompts_of(64, [5, 9, 14, 7, 11, 6, 13, 8], seed=21)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)  # long enough for every catch-up
     expected = [o.token_ids for o in LLM(str(partly_trained), num_speculative_tokens=0).generate(prompts, params)]
     force_k(monkeypatch, [3] * 2 + [1] * 12 + [3] * 60)
     llm = LLM(str(partly_trained), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
-    runner, computed, counted, whole = llm.engine.executor.runner, [], [], []
+    runner, computed, counted, whole, lags = llm.engine.executor.runner, [], [], [], []
     catch_up = runner._catch_up
 
     def recorded(reqs, plan):  # each step's positions as the workers compute them, rewinds included
         rewound = catch_up(reqs, plan)
         if rewound is not plan:
             computed.append(sum(rewound.num_tokens) + sum(rewound.num_drafts))
+            # The lag caught up: the rewind less the 2 positions module 2 (of 3) commits behind the target.
+            lags.extend(b - a - 2 for a, b in zip(plan.num_tokens, rewound.num_tokens) if b > a)
             counted.append(plan.catch_up_tokens)
             whole.append(len(plan.req_ids) == len(llm.engine.scheduler.running))
         return rewound
@@ -199,6 +206,7 @@ def test_catch_ups_stay_within_the_steps_token_budget(partly_trained: Path, monk
     assert max(computed) <= 64, computed
     assert all(c > 0 for c in counted)  # the plans said they carried catch-ups (no decode lap: the engine's clock)
     assert all(whole), whole  # every running request had its step beside the catch-ups
+    assert max_catch_up >= 256 or max(lags) > max_catch_up, lags  # one owed past MAX_CATCH_UP still caught up
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
