@@ -101,9 +101,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            # A catch-up leaves the requests after this one their own decode window at the step's k.
-            spec, rewind = self._spec_within(req, budget - (len(self.running) - i - 1) * (1 + (self.step_k or 0)))
-            n, d = self._chunk(req, budget - rewind, spec)
+            # Catch-ups leave each request after them its own token: once one is in the step, drafts do too. (Whole
+            # windows at the step's k, reserved instead, left no catch-up room with a budget of 16 and three requests.)
+            later = len(self.running) - i - 1
+            spec, rewind = self._spec_within(req, budget - later)
+            n, d = self._chunk(req, budget - rewind - (later if rewind or plan.catch_up_tokens else 0), spec)
             new_blocks = self._grow(req, n, d, plan)
             if new_blocks is None:
                 break  # `req` itself was the newest and got preempted
