@@ -274,8 +274,8 @@ class Scheduler:
         # From where the lag began (a later fall lags less), and module m commits m positions behind the target.
         rewind = req.num_computed - req.lag_from + self.config.num_mtp_modules - 1
         # Owed until done or k falls again, however far it lags meanwhile: where a step holds a few catch-ups, the
-        # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256, k = 4
-        # and the default budget, about three of 200 positions fit beside the decode windows).
+        # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256 and the
+        # default budget, 256 requests 200 positions behind caught up over 54 steps on the H200, run 316).
         req.catch_up_owed = rewind >= budget
         return (spec, rewind) if rewind < budget else (req.live_spec, 0)
 

@@ -175,8 +175,8 @@ def test_catch_ups_stay_within_the_steps_token_budget(partly_trained: Path, monk
                                                       max_catch_up: int) -> None:
     """A rise of k past lagging modules rewinds each request over its lag: the scheduler counts those positions
     against max_num_batched_tokens, and a request the step cannot hold keeps its live modules' drafts and catches up
-    in a later step, leaving every other request its decode window. Eight requests lag for 12 steps (about 30
-    positions each); with a budget of 64 the workers' rewinds spread over several steps, none past the budget, no
+    in a later step, leaving every other request its own token. Eight requests lag for 12 steps (14-24 positions
+    each); with a budget of 64 the workers' rewinds spread over several steps, none past the budget, no
     request sits one out, and the outputs stay those without speculation. A catch-up deferred so is owed: with
     MAX_CATCH_UP 27 a request whose lag was 24 at the rise waits its turn until the lag is past 27 (the lags grow
     about one a step at k = 1), and still catches up."""
