@@ -98,21 +98,23 @@ class Scheduler:
         self._freed = []
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        i = 0
+        i = caught = 0  # caught: positions rewound so far (plain locals: this loop runs per request per step)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            spec, rewind = self._spec(req), 0
             # Catch-ups leave each request after them its own token: once one is in the step, drafts do too. (Whole
             # windows at the step's k, reserved instead, left no catch-up room with a budget of 16 and three requests.)
-            later = len(self.running) - i - 1
-            spec, rewind = self._spec_within(req, budget - later)
-            n, d = self._chunk(req, budget - rewind - (later if rewind or plan.catch_up_tokens else 0), spec)
+            if req.live_spec >= 0:  # modules lag
+                spec, rewind = self._catch_up_within(req, spec, budget - (len(self.running) - i - 1))
+            n, d = self._chunk(req, budget - rewind - (len(self.running) - i - 1 if rewind or caught else 0), spec)
             new_blocks = self._grow(req, n, d, plan)
             if new_blocks is None:
                 break  # `req` itself was the newest and got preempted
             self._add_to_plan(plan, req, n, d, new_blocks, spec)
-            plan.catch_up_tokens += rewind
+            caught += rewind
             budget -= n + d + rewind
             i += 1
+        plan.catch_up_tokens = caught
         # After a preemption, admitting new work would only evict it again.
         preempted = self.num_preemptions > preemptions_before
         while admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
@@ -260,14 +262,13 @@ class Scheduler:
             return live
         return k
 
-    def _spec_within(self, req: Request, budget: int) -> tuple[int, int]:
-        """(_spec(req), the positions the workers recompute for it this step) within `budget` tokens: where k rises
+    def _catch_up_within(self, req: Request, spec: int, budget: int) -> tuple[int, int]:
+        """(spec, the positions the workers recompute for it this step) within `budget` tokens: where k rises
         past modules that lagged, the workers rewind the request over about its lag (design §9), which the budget
         must hold with the request's own token; else the request keeps its live modules' drafts for now and
         catches up in a later step. Uncounted, 32 requests rising together, each up to MAX_CATCH_UP positions
         behind, recomputed up to 8192 positions in one step against the default budget of 2048, past the largest
         prefill graph (4096 rows) and so through the eager general path."""
-        spec = self._spec(req)
         if not 0 <= req.live_spec < spec:
             req.catch_up_owed = False
             return spec, 0
