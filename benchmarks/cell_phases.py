@@ -252,9 +252,8 @@ class ChoiceTracer:
         scheduler, choose = engine.scheduler, spec_chooser.choose_k
         self.choose = choose  # the function it wraps
 
-        def traced(gains: list[float], base: float, floor: int, cost: Any, current: int,
-                   hysteresis: float = 0.0) -> int:
-            k = choose(gains, base, floor, cost, current, hysteresis)
+        def traced(gains: list[float], base: float, floor: int, cost: Any, current: int, *rest: Any) -> int:
+            k = choose(gains, base, floor, cost, current, *rest)  # rest: the hysteresis and what it depends on
             tokens = [base + sum(gains[:j]) for j in range(len(cost))]
             ms = [float(c) * 1e3 for c in cost]
             rates = [round(t / c, 1) for t, c in zip(tokens, ms)]

@@ -72,9 +72,8 @@ class SampleLog:
         costs.begin_probe = probed
         engine.adaptive.admit = counted
 
-    def _traced_choose(self, gains: list[float], base: float, floor: int, cost: Any, current: int,
-                       hysteresis: float = 0.0) -> int:
-        k = self._choose(gains, base, floor, cost, current, hysteresis)
+    def _traced_choose(self, gains: list[float], base: float, floor: int, cost: Any, current: int, *rest: Any) -> int:
+        k = self._choose(gains, base, floor, cost, current, *rest)  # rest: the hysteresis and what it depends on
         engine = self._engines.get(self.variant) or self._engines.get("")
         batch = engine.adaptive._batch if engine is not None else -1
         # The host line as the row read it (a, b, the drafts' prices per k, the median): what a replay checks against.

@@ -70,6 +70,10 @@ class AdaptiveConfig:
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
+    # ... and by this where both k's reach every module (past them the chain reruns the last one): such a switch
+    # costs no catch-up. Held by the 5 %, the host-only engine at c = 256 (a host price of 2 us a request and draft,
+    # T = 1-like acceptance) stayed at k = 4 where its own prices put k = 3 4.3 % ahead, 0.933 of fixed k = 3.
+    free_hysteresis: float = 0.01
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
     # A probe of k - 1 below the modules lasts this many steps: the host's price of a draft it draws stands for the
     # rest of the run once StepCosts.DRAFT_DRAWS probes drew it, and about half of a probe's steps are timed. Of
@@ -201,7 +205,9 @@ class AdaptiveSpec:
             # admitted, e.g. with the KV cache full, would otherwise make k - 1 look untimed for good).
             origin = self._probed_from  # a probe lasts one dwell: the k it left (-1: the last choice was none)
             current = self.k if origin < 0 else origin
-            k = self._explore(choose_k(gains, base, floor, costs, current, self.config.hysteresis), rows.size)
+            c = self.config
+            k = self._explore(choose_k(gains, base, floor, costs, current, c.hysteresis, self._modules,
+                                       c.free_hysteresis), rows.size)
             self._back_off(origin, current, k)
             probe = self._probe_up(k, gains)
             if probe == k:
@@ -310,7 +316,7 @@ class AdaptiveSpec:
         current = self._newcomers_of.get(self._rows_bucket, (self.k, 0))[0]  # the hysteresis holds the last such k
         # The host line as last fitted: newcomers to an empty batch run alone, and their first full choice refits.
         k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy, refit=False), current,
-                     self.config.hysteresis)
+                     self.config.hysteresis, self._modules, self.config.free_hysteresis)
         self._newcomers_of[self._rows_bucket] = (k, self.acceptance.now)
         return k
 

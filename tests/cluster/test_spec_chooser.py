@@ -82,6 +82,20 @@ def test_hysteresis_keeps_the_current_k_unless_clearly_beaten() -> None:
     assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.1) == 1  # 4 is far behind
 
 
+def test_a_switch_past_the_modules_is_held_only_by_the_free_hysteresis() -> None:
+    """With 3 modules, k = 3 and 4 both run every module (4 reruns the last): between them no module is left behind
+    nor caught up, so the 5 % that guards catch-ups does not hold k = 4 where k = 3 is 4 % ahead (the host-only
+    engine at c = 256 stayed at 4 so, 0.93 of fixed k = 3). A fall to 2 leaves module 3 behind: 5 % again."""
+    gains = [1.0, 0.6, 0.4, 0.1]  # tokens per k: 1, 2, 2.6, 3.0, 3.1
+    cost = [1.0, 1.0, 1.0, 1.0, 1.04 * 3.1 / 3.0]  # k = 3 4 % ahead of k = 4
+    assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.05) == 4
+    assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.05, modules=3, free_hysteresis=0.01) == 3
+    assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.05, modules=4, free_hysteresis=0.01) == 4
+    assert choose_k(gains, 1.0, 0, cost, current=4, hysteresis=0.05, modules=3, free_hysteresis=0.05) == 4
+    cost = [1.0, 1.0, 2.6 / (3.0 * 1.04), 1.0, 1.04]  # k = 2 4 % ahead of k = 3: the fall to 2 stops module 3
+    assert choose_k(gains, 1.0, 0, cost, current=3, hysteresis=0.05, modules=3, free_hysteresis=0.01) == 3
+
+
 def test_a_choice_holds_for_min_dwell_steps() -> None:
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=3))
     rows = np.array([spec.admit(K, True) for _ in range(4)])
