@@ -342,15 +342,14 @@ class StepCosts:
         same = self.host_by_batch[b].get(batch, ())
         return list(reversed(same)) if 2 * len(same) >= self.window else []
 
-    def _refit(self, b: int) -> list[tuple[float, float, int]]:
-        """Bucket b's newest samples (per request), its line fitted again first where that is due (see _host_fit)."""
-        count, newest = self.host_samples[b], self._newest(b)
+    def _refit(self, b: int) -> None:
+        """Bucket b's line fitted again where that is due (see _host_fit)."""
+        count = self.host_samples[b]
         if count - self._fitted_at[b] >= min(self.HOST_REFIT, max(self._fitted_at[b] // 2, 1)):
-            slope, per_draft, recursion = self._slopes[b] = self._fit_slopes(b, newest)
+            slope, per_draft, recursion = self._slopes[b] = self._fit_slopes(b, self._newest(b))
             price = self._draft_price(per_draft, recursion)
             self._bases[b] = max(lower_median([s - slope * e - price[k] for s, e, k in self.host_recent[b]]), 0.0)
             self._fitted_at[b] = count
-        return newest
 
     def _newest(self, b: int) -> list[tuple[float, float, int]]:
         """Bucket b's newest `window` samples (per request: host seconds, tokens, k), the newest first."""
