@@ -70,8 +70,8 @@ class AdaptiveConfig:
     cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
-    # ... and by this where both k's reach every module (past them the chain reruns the last one): such a switch
-    # costs no catch-up. Held by the 5 %, the host-only engine at c = 256 (a host price of 2 us a request and draft,
+    # ... and by this where both k's reach every module (past them the chain reruns the last one), and for newcomers
+    # to an empty batch: such a switch costs no catch-up. Held by the 5 %, the host-only engine at c = 256 (a host price of 2 us a request and draft,
     # T = 1-like acceptance) stayed at k = 4 where its own prices put k = 3 4.3 % ahead, 0.932 of fixed k = 3.
     free_hysteresis: float = 0.01
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
@@ -314,9 +314,13 @@ class AdaptiveSpec:
         gains = [batch * reach for reach in accumulate(self.acceptance.prior_list[: self.config.max_k], mul)]
         tokens = list(accumulate(gains, initial=float(batch)))  # per k, as in choose
         current = self._newcomers_of.get(self._rows_bucket, (self.k, 0))[0]  # the hysteresis holds the last such k
+        # Only the free hysteresis: newcomers prefill the chain they start with, so no k leaves a module of theirs
+        # behind. Held by the 5 % of a switch within the modules, each round of the T = 1, c = 256 cells on the H200
+        # started at the k = 2 its last drain had chosen, where k = 3 was priced 2-3 % ahead; every request then
+        # lagged a module, and rising later cost a catch-up of each (run 318: 0.930 of fixed k = 3).
         # The host line as last fitted: newcomers to an empty batch run alone, and their first full choice refits.
         k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy, refit=False), current,
-                     self.config.hysteresis, self._modules, self.config.free_hysteresis)
+                     self.config.free_hysteresis)
         self._newcomers_of[self._rows_bucket] = (k, self.acceptance.now)
         return k
 

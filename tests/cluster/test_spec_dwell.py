@@ -11,6 +11,7 @@ import pytest
 
 from mtpserve.cluster.acceptance import AcceptanceTable
 from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.step_costs import StepCosts
 from tests.cluster.chooser_sim import COSTS, K, spec_with
 
@@ -169,6 +170,23 @@ def test_fixed_k_newcomers_to_an_empty_batch_make_no_choice() -> None:
     assert spec.choose(empty, batch=1, newcomers_adaptive=False) == K and spec.chosen.sum() == 0
     assert not spec.active and spec._held == spec.dwell + 1
     assert spec.choose(empty, batch=1) == 0 and spec.chosen[0] == 1 and spec._held == 0
+
+
+def test_newcomers_to_an_empty_batch_are_held_only_by_the_free_hysteresis() -> None:
+    """Newcomers prefill the chain they start with: no k leaves a module of theirs behind, so the 5 % that guards
+    a catch-up within the modules does not hold them at the last newcomers' k. Held by it, each T = 1, c = 256 round
+    on the H200 started at the k = 2 of its last drain where k = 3 was priced 3 % ahead, and every request lagged a
+    module for good (run 318)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, modules=3))  # prior 0.8: 1, 1.8, 2.44, 2.95, 3.36 tokens
+    rate_3 = 2.44 * 1.03  # k = 3 3 % ahead of k = 2, k = 4 5 % behind k = 3
+    for k, ms in enumerate([0.9, 0.95, 1.0, 2.952 / rate_3, 3.3616 * 1.05 / rate_3]):
+        spec.costs.seed(8, k, ms * 1e-3)
+    bucket = spec.costs.bucket(8)
+    spec._newcomers_of[bucket] = (2, -spec.config.max_dwell)  # the last newcomers' k, no longer held
+    gains = [8 * 0.8 ** j for j in range(1, K + 1)]
+    costs = spec.costs.costs(8, list(itertools.accumulate(gains, initial=8.0)), True, refit=False)
+    assert choose_k(gains, 8.0, 0, costs, current=2, hysteresis=0.05, modules=3) == 2  # a running batch stays
+    assert spec.choose(np.array([], dtype=np.int64), batch=8) == 3
 
 
 def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
