@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Table  # noqa: E402
 
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec  # noqa: E402
+from mtpserve.cluster.spec_chooser import AdaptiveSpec  # noqa: E402
+from mtpserve.cluster.spec_config import AdaptiveConfig  # noqa: E402
 from mtpserve.cluster.step_costs import StepCosts  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cell_phases  # noqa: E402
 import interleaved  # noqa: E402
 
-from mtpserve.cluster.spec_chooser import AdaptiveConfig  # noqa: E402
+from mtpserve.cluster.spec_config import AdaptiveConfig  # noqa: E402
 
 
 def test_a_steady_ratio_has_no_spread() -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from mtpserve.cluster.spec_chooser import AdaptiveConfig
+    from mtpserve.cluster.spec_config import AdaptiveConfig
 
 
 class AcceptanceTable:

@@ -18,7 +18,8 @@ from mtpserve.cluster.output_processor import OutputProcessor
 from mtpserve.cluster.recovery import FaultBudget, RecoveryEvent, recover
 from mtpserve.cluster.request import Request
 from mtpserve.cluster.scheduler import Scheduler, SchedulerConfig
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster import warmup
 from mtpserve.cluster.stats import SpecCounters, StepStats
 from mtpserve.cluster.tokenizer import Tokenizer

@@ -1,7 +1,8 @@
 """Adaptive speculation (docs/design.md §9): how many drafts each step makes, chosen from measurements.
 
-Three pieces, numpy over a large batch and plain Python over a few rows or samples (inside the engine a numpy
-call costs several microseconds; no per-request Python work of any weight at 256 requests):
+Three pieces (their settings: AdaptiveConfig, spec_config.py), numpy over a large batch and plain Python over a few
+rows or samples (inside the engine a numpy call costs several microseconds; no per-request Python work of any weight
+at 256 requests):
 
 * `AcceptanceTable` (acceptance.py): per request (a row), the conditional acceptance probability of each draft
   position (p_j: draft j is accepted given drafts 0..j-1 were), decayed so that a change of topic
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
 from typing import NamedTuple
@@ -28,63 +28,9 @@ from typing import NamedTuple
 import numpy as np
 
 from mtpserve.cluster.acceptance import AcceptanceTable
+from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.step_costs import StepCosts
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    max_k: int  # the largest k any request may run (adaptive requests' cap)
-    max_rows: int  # concurrent requests tracked (max_num_seqs)
-    decay: float = 0.2  # weight of one observation in a request's estimate (a topic change shows in ~5 steps)
-    # The weight of one observation in the engine-wide prior, once it has settled: a step moves the prior as
-    # much as the observations it holds (about the last 500). Weighted 0.02 a step instead, with one request
-    # running (concurrency 1) the prior followed that request alone; after a run of rejections the next
-    # requests started at k = 0, where nothing is observed. Simulated one request at a time at 0.62 a
-    # position (test_spec_chooser.py): 0.87-0.99 of the best k's rate per step, 0.99-1.0 per observation.
-    prior_decay: float = 0.002
-    prior_weight: float = 4.0  # the initial prior counts as this many observations (until then, a plain mean)
-    # The prior before anything was observed: optimistic, because a k set too high shows at once (its drafts
-    # get rejected) and going down is free, while a k set too low never sees the positions it skips.
-    initial_acceptance: float = 0.8
-    # What the chooser uses is a request's estimate shrunk toward the prior, as if the prior were this many
-    # observations (a request's own count saturates at 1 / decay): a short run of rejections, common within
-    # one request, must not send a whole step to k = 0, where nothing is observed until the next choice. This
-    # is the strength until the acceptance table has scored enough observations to learn it (AcceptanceTable.
-    # STRENGTHS).
-    prior_strength: float = 5.0
-    # A position no request has drafted for this many steps is drafted for one dwell (k + 1 where the choice stays
-    # at k): the engine-wide prior learns only from drafted positions, and after requests whose drafts did not pay
-    # it held every later request at k = 0 for good, though acceptance had risen (simulated, 0.1 a position for
-    # eight requests and then 0.8: 0.74 of the best k's rate without probes, 0.96 with them).
-    probe_after: int = 256
-    # A probe whose k lost (the next choice went back) doubles the wait before the next probe, up to this many times
-    # probe_after; one whose k won, or a choice that moved on its own, resets it. Each probe is three full choices
-    # and min_dwell steps at a k the chooser did not pick: at T = 1, c = 8 on the H200, where auto held k = 2 and
-    # probed k = 3 every 512 steps, its choices took 1.3 % of a cell (run 292).
-    max_probe_wait: int = 8
-    # The MTP modules (None: max_k). A k past them runs the last module again (the chain recurses), so going from
-    # such a k to k - 1 and back leaves no module behind to catch up: there the chooser also probes k - 1 for one
-    # dwell where a bucket's host line has seen its k alone for a while (see _probe_down).
-    modules: int | None = None
-    cost_window: int = 16  # a (bucket, k) cost is the median of its last this many timed steps
-    per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
-    hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
-    # ... and by this where both k's reach every module (past them the chain reruns the last one), and for newcomers
-    # to an empty batch: such a switch costs no catch-up. Held by the 5 %, the host-only engine at c = 256 (a host price of 2 us a request and draft,
-    # T = 1-like acceptance) stayed at k = 4 where its own prices put k = 3 4.3 % ahead, 0.932 of fixed k = 3.
-    free_hysteresis: float = 0.01
-    min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
-    # A probe of k - 1 below the modules lasts this many steps: the host's price of a draft it draws stands for the
-    # rest of the run once StepCosts.DRAFT_DRAWS probes drew it, and about half of a probe's steps are timed. Of
-    # min_dwell (3 or 4 timed) the five draws at T = 1, c = 8 on the H200 read 0, 4.6, 7.2, 0 and 9.7 us a request,
-    # where auto's own k = 2 and 3 differed by about 8 beyond their tokens, and k = 2 was priced 3-6 % dear from k = 3
-    # (run 307). Each probe costs one catch-up whatever its length.
-    draw_dwell: int = 24
-    max_dwell: int = 128  # the dwell doubles, up to this, while the choice holds
-    # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
-    # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
-    choice_share: float = 0.01
 
 
 class _Held(NamedTuple):

@@ -1,5 +1,5 @@
 """Synthetic tables and simulated steps for the adaptive-speculation chooser's tests (test_spec_chooser.py,
-test_spec_dwell.py)."""
+test_spec_dwell.py, test_spec_probes.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Callable
 
 import numpy as np
 
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from mtpserve.cluster.spec_config import AdaptiveConfig
 
 K = 4
 COSTS = [1.0, 1.1, 1.2, 1.3, 1.4]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from mtpserve.cluster.acceptance import AcceptanceTable
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from mtpserve.cluster.spec_config import AdaptiveConfig
 
 K = 4
 

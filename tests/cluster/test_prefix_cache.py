@@ -121,7 +121,7 @@ def test_replay_holds_with_cache_hits(partly_trained: Path, mode: str, overlappe
     assert all(h > 0 for h in hits), hits
     ref = Reference(partly_trained)
     for i, prompt in enumerate([base] + chosen):
-        out = done[f"0-0" if i == 0 else f"1-{i - 1}"]
+        out = done["0-0" if i == 0 else f"1-{i - 1}"]
         assert out.accepted_per_step == _replay(ref, prompt + out.token_ids, len(prompt), 3, 24, mode)
 
 

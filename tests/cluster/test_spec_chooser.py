@@ -1,13 +1,15 @@
 """The adaptive-speculation chooser on synthetic tables (docs/design.md §9): the k it picks, and how it settles while
-simulated requests come and go (how long a choice holds, per bucket, and its probes: test_spec_dwell.py; the
-acceptance estimates it reads: test_acceptance.py; the step costs it prices with: test_step_costs.py)."""
+simulated requests come and go (how long a choice holds, per bucket: test_spec_dwell.py; its probes:
+test_spec_probes.py; the acceptance estimates it reads: test_acceptance.py; the step costs it prices with:
+test_step_costs.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mtpserve.cluster.spec_chooser import AdaptiveConfig, AdaptiveSpec
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
+from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster.spec_rate import choose_k, expected_tokens
 from tests.cluster.chooser_sim import COSTS, K, serve_step, spec_with
 
