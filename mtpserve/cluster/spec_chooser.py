@@ -260,13 +260,16 @@ class AdaptiveSpec:
         gains = [batch * reach for reach in accumulate(self.acceptance.prior_list[: self.config.max_k], mul)]
         tokens = list(accumulate(gains, initial=float(batch)))  # per k, as in choose
         current = self._newcomers_of.get(self._rows_bucket, (self.k, 0))[0]  # the hysteresis holds the last such k
-        # Only the free hysteresis: newcomers prefill the chain they start with, so no k leaves a module of theirs
-        # behind. Held by the 5 % of a switch within the modules, each round of the T = 1, c = 256 cells on the H200
-        # started at the k = 2 its last drain had chosen, where k = 3 was priced 2-3 % ahead; every request then
-        # lagged a module, and rising later cost a catch-up of each (run 318: 0.930 of fixed k = 3).
+        # Nothing of theirs has run, so no switch from the last newcomers' k catches any of them up: the free
+        # hysteresis holds it. Held by the 5 % of a switch within the modules, each round of the T = 1, c = 256
+        # cells on the H200 started at the k = 2 its last drain had chosen, where k = 3 was priced 2-3 % ahead;
+        # every request then lagged a module from its first position, and rising later cost a catch-up of each
+        # (run 318: 0.930 of fixed k = 3). A fall that leaves a module behind for the whole batch keeps the 5 %.
         # The host line as last fitted: newcomers to an empty batch run alone, and their first full choice refits.
-        k = choose_k(gains, float(batch), 0, self.costs.costs(batch, tokens, self.greedy, refit=False), current,
-                     self.config.free_hysteresis)
+        c, costs = self.config, self.costs.costs(batch, tokens, self.greedy, refit=False)
+        k = choose_k(gains, float(batch), 0, costs, current, c.free_hysteresis)
+        if k < min(current, self._modules):
+            k = choose_k(gains, float(batch), 0, costs, current, c.hysteresis, self._modules, c.free_hysteresis)
         self._newcomers_of[self._rows_bucket] = (k, self.acceptance.now)
         return k
 

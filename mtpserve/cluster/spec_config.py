@@ -45,9 +45,9 @@ class AdaptiveConfig:
     per_draft_cost: float = 0.12  # cost(k) = cost(0) * (1 + c k) until measured (a module pass ~ 1/8 of the target)
     hysteresis: float = 0.05  # another k must beat the current one by this fraction (switches cost a catch-up)
     # ... and by this where both k's reach every module (past them the chain reruns the last one), and for newcomers
-    # to an empty batch: such a switch costs no catch-up. Held by the 5 %, the host-only engine at c = 256 (a host
-    # price of 2 us a request and draft, T = 1-like acceptance) stayed at k = 4 where its own prices put k = 3 4.3 %
-    # ahead, 0.932 of fixed k = 3.
+    # to an empty batch unless they would fall below the modules: such a switch catches nothing up. Held by the 5 %,
+    # the host-only engine at c = 256 (a host price of 2 us a request and draft, T = 1-like acceptance) stayed at
+    # k = 4 where its own prices put k = 3 4.3 % ahead, 0.932 of fixed k = 3.
     free_hysteresis: float = 0.01
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
     # A probe of k - 1 below the modules lasts this many steps: the host's price of a draft it draws stands for the

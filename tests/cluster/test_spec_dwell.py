@@ -4,15 +4,12 @@ before it (the k it picks: test_spec_chooser.py; its probes: test_spec_probes.py
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from mtpserve.cluster.acceptance import AcceptanceTable
 from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.cluster.spec_config import AdaptiveConfig
-from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.step_costs import StepCosts
 from tests.cluster.chooser_sim import K
 
@@ -173,21 +170,33 @@ def test_fixed_k_newcomers_to_an_empty_batch_make_no_choice() -> None:
     assert spec.choose(empty, batch=1) == 0 and spec.chosen[0] == 1 and spec._held == 0
 
 
-def test_newcomers_to_an_empty_batch_are_held_only_by_the_free_hysteresis() -> None:
-    """Newcomers prefill the chain they start with: no k leaves a module of theirs behind, so the 5 % that guards
-    a catch-up within the modules does not hold them at the last newcomers' k. Held by it, each T = 1, c = 256 round
-    on the H200 started at the k = 2 of its last drain where k = 3 was priced 3 % ahead, and every request lagged a
-    module for good (run 318)."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, modules=3))  # prior 0.8: 1, 1.8, 2.44, 2.95, 3.36 tokens
+def _newcomers_after(last_k: int, ms: list[float]) -> int:
+    """The newcomers' k for an empty batch of 8 (3 modules, the initial prior of 0.8 a position: 1, 1.8, 2.44, 2.95
+    and 3.36 tokens a request at k = 0..4) where the last newcomers' choice, max_dwell steps ago, was last_k and the
+    steps at each k now cost `ms` milliseconds."""
+    spec, empty = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=16, modules=3)), np.array([], dtype=np.int64)
+    assert spec.acceptance.prior_list[:K] == [0.8] * K
+    for k in range(K + 1):
+        spec.costs.seed(8, k, 1e-3 * (0.2 if k == last_k else 5.0))
+    assert spec.choose(empty, batch=8) == last_k
+    for k, seconds in enumerate(ms):
+        spec.costs.seed(8, k, seconds * 1e-3)
+    spec.acceptance.now += spec.config.max_dwell  # that choice no longer holds
+    return spec.choose(empty, batch=8)
+
+
+def test_newcomers_to_an_empty_batch_are_held_by_the_free_hysteresis_unless_they_fall_below_the_modules() -> None:
+    """Nothing of the newcomers' has run, so no switch from the last newcomers' k catches any of them up: the 5 %
+    that guards a catch-up within the modules does not hold them there. Held by it, each T = 1, c = 256 round on the
+    H200 started at the k = 2 of its last drain where k = 3 was priced 2-3 % ahead, and every request lagged a module
+    from its first position (run 318). A fall below the modules leaves one behind for the whole batch: the 5 %."""
     rate_3 = 2.44 * 1.03  # k = 3 3 % ahead of k = 2, k = 4 5 % behind k = 3
-    for k, ms in enumerate([0.9, 0.95, 1.0, 2.952 / rate_3, 3.3616 * 1.05 / rate_3]):
-        spec.costs.seed(8, k, ms * 1e-3)
-    bucket = spec.costs.bucket(8)
-    spec._newcomers_of[bucket] = (2, -spec.config.max_dwell)  # the last newcomers' k, no longer held
-    gains = [8 * 0.8 ** j for j in range(1, K + 1)]
-    costs = spec.costs.costs(8, list(itertools.accumulate(gains, initial=8.0)), True, refit=False)
-    assert choose_k(gains, 8.0, 0, costs, current=2, hysteresis=0.05, modules=3) == 2  # a running batch stays
-    assert spec.choose(np.array([], dtype=np.int64), batch=8) == 3
+    assert _newcomers_after(2, [0.9, 0.95, 1.0, 2.952 / rate_3, 3.3616 * 1.05 / rate_3]) == 3
+    rate_3 = 2.44 * 1.005  # 0.5 %: within the free hysteresis
+    assert _newcomers_after(2, [0.9, 0.95, 1.0, 2.952 / rate_3, 3.3616 * 1.05 / rate_3]) == 2
+    rate_2 = 2.952 * 1.03  # k = 2 3 % ahead of k = 3, the modules
+    assert _newcomers_after(3, [0.5, 0.7, 2.44 / rate_2, 1.0, 2.0]) == 3
+    assert _newcomers_after(3, [0.5, 0.7, 2.44 / (2.952 * 1.06), 1.0, 2.0]) == 2  # 6 %: past the 5 %
 
 
 def test_a_batch_back_in_a_bucket_whose_choice_holds_takes_it_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
