@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
+    """AdaptiveSpec's settings; the engine builds one from EngineConfig (max_k, max_rows, modules)."""
+
     max_k: int  # the largest k any request may run (adaptive requests' cap)
     max_rows: int  # concurrent requests tracked (max_num_seqs)
     decay: float = 0.2  # weight of one observation in a request's estimate (a topic change shows in ~5 steps)
