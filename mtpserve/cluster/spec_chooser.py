@@ -261,10 +261,11 @@ class AdaptiveSpec:
         tokens = list(accumulate(gains, initial=float(batch)))  # per k, as in choose
         current = self._newcomers_of.get(self._rows_bucket, (self.k, 0))[0]  # the hysteresis holds the last such k
         # Nothing of theirs has run, so no switch from the last newcomers' k catches any of them up: the free
-        # hysteresis holds it. Held by the 5 % of a switch within the modules, each round of the T = 1, c = 256
-        # cells on the H200 started at the k = 2 its last drain had chosen, where k = 3 was priced 2-3 % ahead;
-        # every request then lagged a module from its first position, and rising later cost a catch-up of each
-        # (run 318: 0.930 of fixed k = 3). A fall that leaves a module behind for the whole batch keeps the 5 %.
+        # hysteresis holds it. Held by the 5 % of a switch within the modules, the T = 1, c = 256 cells on the H200
+        # started each round from the ninth on at k = 2, the newcomers' k carried over from round to round, where
+        # k = 3 was priced 2-3 % ahead; every request then lagged a module from its first position, and rising later
+        # cost a catch-up of each (run 318: 0.930 of fixed k = 3). A fall that leaves a module behind for the whole
+        # batch keeps the 5 %.
         # The host line as last fitted: newcomers to an empty batch run alone, and their first full choice refits.
         c, costs = self.config, self.costs.costs(batch, tokens, self.greedy, refit=False)
         k = choose_k(gains, float(batch), 0, costs, current, c.free_hysteresis)

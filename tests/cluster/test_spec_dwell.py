@@ -187,9 +187,10 @@ def _newcomers_after(last_k: int, ms: list[float]) -> int:
 
 def test_newcomers_to_an_empty_batch_are_held_by_the_free_hysteresis_unless_they_fall_below_the_modules() -> None:
     """Nothing of the newcomers' has run, so no switch from the last newcomers' k catches any of them up: the 5 %
-    that guards a catch-up within the modules does not hold them there. Held by it, each T = 1, c = 256 round on the
-    H200 started at the k = 2 of its last drain where k = 3 was priced 2-3 % ahead, and every request lagged a module
-    from its first position (run 318). A fall below the modules leaves one behind for the whole batch: the 5 %."""
+    that guards a catch-up within the modules does not hold them there. Held by it, the T = 1, c = 256 rounds on the
+    H200 started from the ninth on at k = 2, the newcomers' k carried over from round to round, where k = 3 was
+    priced 2-3 % ahead, and every request lagged a module from its first position (run 318). A fall below the
+    modules leaves one behind for the whole batch: the 5 %."""
     rate_3 = 2.44 * 1.03  # k = 3 3 % ahead of k = 2, k = 4 5 % behind k = 3
     assert _newcomers_after(2, [0.9, 0.95, 1.0, 2.952 / rate_3, 3.3616 * 1.05 / rate_3]) == 3
     rate_3 = 2.44 * 1.005  # 0.5 %: within the free hysteresis
