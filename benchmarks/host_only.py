@@ -12,6 +12,12 @@ learning), but by default every step then runs --k: the two cells do the same st
 what auto's bookkeeping costs the host at the same k (on the H200 at c = 256, auto made 0.88-0.91 of fixed
 k = 4's tok/s at the same k, run 231). --free lets auto's choices stand. A diagnosis aid: CPU only.
 
+--catch-up-us X makes each step spend X us per position its catch-ups rewind (StepPlan.catch_up_tokens), the device
+time a rise of k past lagging modules costs and the cost model never prices; the table counts the positions each auto
+cell rewound. With it (5 us, c = 256, --k 3 --free, T = 1-like acceptance, 2 us a draft) auto rose from k = 2 to 4 in
+its drains and caught up every running request, 14-124 thousand positions in some cells (session AJ): the failure
+of run 318 on the H200, on the CPU.
+
 --host-per-draft-us X makes each step's host spend X us more per draft (in the scheduler's update), a price a
 window of one k cannot show. With --free, 10 us, T = 1-like acceptance (0.66,0.69,0.71,0.5) and c = 8, fixed k = 1
 ran about 20 % faster than k = 3. Cell by cell against it, auto made 0.70-0.80 over 14 cells, at k = 4 and then
@@ -50,12 +56,18 @@ class InstantExecutor:
     """Answers a plan at once: a request that reaches its frontier accepts each draft with the position's
     conditional probability and samples one more token; nothing runs on any device."""
 
-    def __init__(self, acceptance: list[float], seed: int = 0) -> None:
+    def __init__(self, acceptance: list[float], seed: int = 0, catch_up_seconds: float = 0.0) -> None:
         self.acceptance, self.rng = acceptance, np.random.default_rng(seed)
+        self.catch_up_seconds = catch_up_seconds  # spent (busy) per position a step's catch-ups rewind
+        self.caught_up = 0  # positions the steps' catch-ups rewound, summed
         self.known: dict[str, int] = {}  # tokens the request has (prompt + output)
         self.computed: dict[str, int] = {}  # of them, positions fed so far
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.caught_up += plan.catch_up_tokens
+        until = time.perf_counter() + self.catch_up_seconds * plan.catch_up_tokens
+        while time.perf_counter() < until:  # the device's share of a catch-up, which the cost model never prices
+            pass
         for rid in plan.freed_ids:
             self.known.pop(rid, None)
             self.computed.pop(rid, None)
@@ -130,10 +142,12 @@ def cell(engine: LLMEngine, prompts: list[list[int]], k: int | str, c: int, max_
     return workloads.drive(engine, jobs, c, name).tokens_per_s
 
 
-def measure(c: int, args: argparse.Namespace) -> tuple[list[float], list[float], list[int]]:
-    """(fixed-k tok/s, auto tok/s, auto's full choices) per round at concurrency c."""
+def measure(c: int, args: argparse.Namespace) -> tuple[list[float], list[float], list[int], list[int]]:
+    """(fixed-k tok/s, auto tok/s, auto's full choices, the positions auto's catch-ups rewound) per round at
+    concurrency c."""
+    executor = InstantExecutor(args.acceptance, catch_up_seconds=args.catch_up_us * 1e-6)
     engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=c, num_kv_blocks=c * (args.max_tokens // 8 + 16)),
-                       InstantExecutor(args.acceptance))
+                       executor)
     seed_every_k(engine)
     if args.host_per_draft_us:
         spend_per_draft(engine, args.host_per_draft_us * 1e-6)
@@ -141,14 +155,15 @@ def measure(c: int, args: argparse.Namespace) -> tuple[list[float], list[float],
     prompts = [rng.integers(*TOKENS, args.prompt_len).tolist() for _ in range(args.requests_per_slot * c)]
     for k in (args.k, "auto"):  # warm-up: the chooser's buckets and the cost lines see this batch first
         cell(engine, prompts, k, c, args.max_tokens, f"warm-{k}")
-    fixed, auto, choices = [], [], []
+    fixed, auto, choices, caught_up = [], [], [], []
     for r in range(args.rounds):
         for k in ((args.k, "auto") if r % 2 == 0 else ("auto", args.k)):
-            FULL_CHOICES[0] = 0
+            FULL_CHOICES[0], executor.caught_up = 0, 0
             (auto if k == "auto" else fixed).append(cell(engine, prompts, k, c, args.max_tokens, f"r{r}-{k}"))
             if k == "auto":
                 choices.append(FULL_CHOICES[0])
-    return fixed, auto, choices
+                caught_up.append(executor.caught_up)
+    return fixed, auto, choices, caught_up
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -161,6 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-per-draft-us", type=float, default=0.0, help="each step's host also spends this many us "
                    "per draft it verified (a host price per draft, which the chooser learns only from windows of two "
                    "k's; with --free)")
+    p.add_argument("--catch-up-us", type=float, default=0.0, help="each step also spends this many us per position "
+                   "its catch-ups rewind (what a rise of k past lagging modules costs the device)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -177,16 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     count_choices(None if args.free else args.k)
     table = Table(f"host only: fixed k = {args.k} against auto{'' if args.free else f' (its steps at k = {args.k})'}",
                   ["conc", "fixed tok/s", "auto tok/s", "auto / fixed (median of rounds)", "per round",
-                   "full choices per auto cell", "s"])
+                   "full choices per auto cell", "positions caught up per auto cell", "s"])
     for c in common.parse_ints(args.concurrency):
         t0 = time.perf_counter()
-        fixed, auto, choices = measure(c, args)
+        fixed, auto, choices, caught_up = measure(c, args)
         ratios = [a / f for a, f in zip(auto, fixed)]
         table.add(str(c), float(np.median(fixed)), float(np.median(auto)), f"{np.median(ratios):.3f}",
-                  " ".join(f"{r:.2f}" for r in ratios), " ".join(map(str, choices)), time.perf_counter() - t0)
+                  " ".join(f"{r:.2f}" for r in ratios), " ".join(map(str, choices)), " ".join(map(str, caught_up)),
+                  time.perf_counter() - t0)
     notes = ["device costs seeded at every (bucket, k) (1 us), as the GPU engine seeds them from its graphs",
              f"executor: none (InstantExecutor), acceptance per position {args.acceptance}, "
-             f"host per draft {args.host_per_draft_us:g} us, prompts of "
+             f"host per draft {args.host_per_draft_us:g} us, catch-ups {args.catch_up_us:g} us a position, prompts of "
              f"{args.prompt_len} random ids, {args.max_tokens} tokens per request, {args.requests_per_slot} x conc "
              f"requests a cell; rounds alternate which cell runs first"]
     common.report(args, "host_only", common.pick_device("cpu", True), [table], notes)

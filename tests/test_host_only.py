@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mtpserve.boundary.messages import StepPlan
 from mtpserve.cluster.engine import LLMEngine
 from mtpserve.cluster.engine_config import EngineConfig
 from mtpserve.cluster.spec_chooser import AdaptiveSpec
@@ -64,3 +66,14 @@ def test_with_every_k_seeded_a_pinned_auto_chooses_as_often_as_a_free_one(monkey
     _, pinned_choices = _full_choices(monkeypatch, 4)
     _, unseeded_choices = _full_choices(monkeypatch, 4, seeded=False)
     assert pinned_choices <= free_choices + 2 < unseeded_choices
+
+
+def test_the_executor_spends_and_counts_what_a_steps_catch_ups_rewind() -> None:
+    """--catch-up-us: a step whose catch-ups rewind n positions costs n x the price (the device's share of a catch-up,
+    which the host-only engine otherwise gets for free), and the executor sums the positions for the table."""
+    executor = host_only.InstantExecutor([1.0], catch_up_seconds=1e-4)
+    t0 = time.perf_counter()
+    executor.execute(StepPlan(catch_up_tokens=50))
+    assert time.perf_counter() - t0 >= 50 * 1e-4  # a busy wait: never shorter
+    executor.execute(StepPlan())
+    assert executor.caught_up == 50
