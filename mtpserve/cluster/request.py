@@ -46,7 +46,9 @@ class Request:
     # it are not offered to the prefix cache (their entries may not be the teacher-forced ones).
     modules_exact_upto: int | None = None
     live_spec: int = -1  # drafts whose modules are all committed to the frontier (-1: all of num_spec)
-    lag_from: int | None = None  # where the modules past live_spec began to lag (a catch-up rewinds about there)
+    # Per module (module m at m - 1), where it began to lag: a catch-up rewinds about to the highest module's entry.
+    # Those up to live_spec are stale. (One point per request made a probe 2 -> 1 -> 2 rewind from the fall to 2.)
+    lag_from: list[int] | None = None
     catch_up_owed: bool = False  # a rise of k found the step's budget full: MAX_CATCH_UP no longer stops it
 
     def __post_init__(self) -> None:

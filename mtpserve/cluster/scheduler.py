@@ -258,8 +258,10 @@ class Scheduler:
         live = req.live_spec
         if live < 0:
             return cap if len(req.token_ids) - req.num_computed > self.MAX_CATCH_UP else k
-        if live < k and req.num_computed - req.lag_from > self.MAX_CATCH_UP and not req.catch_up_owed:
-            return live
+        if live < k and not req.catch_up_owed:
+            # The highest k whose modules lag within MAX_CATCH_UP (a higher module has lagged at least as long).
+            while k > live and req.num_computed - req.lag_from[self._modules(k) - 1] > self.MAX_CATCH_UP:
+                k -= 1
         return k
 
     def _catch_up_within(self, req: Request, spec: int, budget: int) -> tuple[int, int]:
@@ -272,8 +274,9 @@ class Scheduler:
         if not 0 <= req.live_spec < spec:
             req.catch_up_owed = False
             return spec, 0
-        # From where the lag began (a later fall lags less), and module m commits m positions behind the target.
-        rewind = req.num_computed - req.lag_from + self.config.num_mtp_modules - 1
+        # From where the highest module it catches up began to lag (the lower ones began later, or then), and module
+        # m commits m positions behind the target.
+        rewind = req.num_computed - req.lag_from[self._modules(spec) - 1] + self.config.num_mtp_modules - 1
         # Owed until done or k falls again, however far it lags meanwhile: where a step holds a few catch-ups, the
         # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256 and the
         # default budget, 256 requests 200 positions behind caught up over 54 steps on the H200, run 316).
@@ -303,6 +306,14 @@ class Scheduler:
             return n, 0
         # Drafts past what the request may still emit would only be thrown away.
         return n, max(0, min(req.num_drafts, spec, budget - n, req.tokens_left - 1))
+
+    def _lag(self, req: Request, spec: int) -> None:
+        """The modules past `spec` that ran until now (those past live_spec lag already) begin to lag here."""
+        ran = req.live_spec if req.live_spec >= 0 else self._modules(req.num_spec)
+        if spec < ran:
+            if req.lag_from is None:
+                req.lag_from = [0] * self.config.num_mtp_modules
+            req.lag_from[spec:ran] = [req.num_computed] * (ran - spec)
 
     def _slots(self, req: Request, n: int, d: int, final: bool | None = None) -> list[int]:
         """Positions each KV group must cover this step (docs/design.md §5)."""
@@ -415,8 +426,7 @@ class Scheduler:
         if self._modules(spec) < self._modules(req.num_spec):  # modules past spec stop here until caught up (§9)
             if req.modules_exact_upto is None:
                 req.modules_exact_upto = req.num_computed
-            if req.live_spec < 0:
-                req.lag_from = req.num_computed
+            self._lag(req, spec)
             req.live_spec = spec
         else:
             req.live_spec, req.lag_from = -1, None
