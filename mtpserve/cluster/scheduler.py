@@ -12,6 +12,7 @@ from itertools import islice
 import numpy as np
 
 from mtpserve.cluster.block_manager import KVBlockManager
+from mtpserve.cluster.module_lags import ModuleLags
 from mtpserve.cluster.request import Request, Status
 from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.boundary.messages import NewRequest, StepPlan, StepResult
@@ -32,8 +33,8 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    # A request whose modules have lagged over more positions than this keeps the drafts its current modules
-    # give: raising k would rewind it that far (design §9), a recomputation bigger than it can pay back.
+    # A module that has lagged over more positions than this is not caught up: raising k to it would rewind the
+    # request that far (design §9), a recomputation bigger than it can pay back.
     MAX_CATCH_UP = 256
 
     def __init__(self, config: SchedulerConfig, blocks: KVBlockManager, adaptive: AdaptiveSpec | None = None) -> None:
@@ -49,6 +50,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps planned (synchronous and overlapped)
         self._groups_of_k: dict[int, tuple[int, ...]] = {}
+        self.lags = ModuleLags(config.num_mtp_modules)
 
     @property
     def has_unfinished(self) -> bool:
@@ -105,7 +107,7 @@ class Scheduler:
             # Catch-ups leave each request after them its own token: once one is in the step, drafts do too. (Whole
             # windows at the step's k, reserved instead, left no catch-up room with a budget of 16 and three requests.)
             if req.live_spec >= 0:  # modules lag
-                spec, rewind = self._catch_up_within(req, spec, budget - (len(self.running) - i - 1))
+                spec, rewind = self.lags.catch_up(req, spec, budget - (len(self.running) - i - 1))
             n, d = self._chunk(req, budget - rewind - (len(self.running) - i - 1 if rewind or caught else 0), spec)
             new_blocks = self._grow(req, n, d, plan)
             if new_blocks is None:
@@ -171,8 +173,10 @@ class Scheduler:
                     return None
             else:
                 ahead, made = drafts + 1, made_in_flight.get(req.request_id, req.num_spec)  # tokens it may emit
-                if self._modules(spec) > self._modules(made):  # k rises past modules that lagged: the workers find
-                    return None  # them from their host state, which the step in flight has yet to advance
+                # k rises past modules that lagged: the workers find them from their host state, which the step
+                # in flight has yet to advance.
+                if self.lags.modules(spec) > self.lags.modules(made):
+                    return None
             left = req.tokens_left - ahead  # at the worst: every draft in flight accepted
             # Near max_tokens a step verifies at most tokens_left - 1 drafts, which the count in flight decides:
             # the request sits this step out rather than verify fewer drafts than a synchronous step would,
@@ -258,35 +262,7 @@ class Scheduler:
         live = req.live_spec
         if live < 0:
             return cap if len(req.token_ids) - req.num_computed > self.MAX_CATCH_UP else k
-        if live < k and not req.catch_up_owed:
-            # The highest k whose modules lag within MAX_CATCH_UP (a higher module has lagged at least as long).
-            while k > live and req.num_computed - req.lag_from[self._modules(k) - 1] > self.MAX_CATCH_UP:
-                k -= 1
-        return k
-
-    def _catch_up_within(self, req: Request, spec: int, budget: int) -> tuple[int, int]:
-        """(spec, the positions the workers recompute for it this step) within `budget` tokens: where k rises
-        past modules that lagged, the workers rewind the request over about its lag (design §9), which the budget
-        must hold with the request's own token; else the request keeps its live modules' drafts for now and
-        catches up in a later step. Uncounted, 32 requests rising together, each up to MAX_CATCH_UP positions
-        behind, recomputed up to 8192 positions in one step against the default budget of 2048, past the largest
-        prefill graph (4096 rows) and so through the eager general path."""
-        if not 0 <= req.live_spec < spec:
-            req.catch_up_owed = False
-            return spec, 0
-        # From where the highest module it catches up began to lag (the lower ones began later, or then), and module
-        # m commits m positions behind the target.
-        rewind = req.num_computed - req.lag_from[self._modules(spec) - 1] + self.config.num_mtp_modules - 1
-        # Owed until done or k falls again, however far it lags meanwhile: where a step holds a few catch-ups, the
-        # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256 and the
-        # default budget, 256 requests 200 positions behind caught up over 54 steps on the H200, run 316).
-        req.catch_up_owed = rewind >= budget
-        return (spec, rewind) if rewind < budget else (req.live_spec, 0)
-
-    def _modules(self, spec: int) -> int:
-        """The MTP modules a chain of `spec` drafts runs: past the last one the chain runs it again, so a k
-        that differs from another only past the modules leaves none of them behind (no catch-up, no drain)."""
-        return min(spec, self.config.num_mtp_modules)
+        return self.lags.within(req, k, self.MAX_CATCH_UP) if live < k and not req.catch_up_owed else k
 
     def _release_row(self, req: Request) -> None:
         if self.adaptive is not None and req.spec_row >= 0:
@@ -306,14 +282,6 @@ class Scheduler:
             return n, 0
         # Drafts past what the request may still emit would only be thrown away.
         return n, max(0, min(req.num_drafts, spec, budget - n, req.tokens_left - 1))
-
-    def _lag(self, req: Request, spec: int) -> None:
-        """The modules past `spec` that ran until now (those past live_spec lag already) begin to lag here."""
-        ran = req.live_spec if req.live_spec >= 0 else self._modules(req.num_spec)
-        if spec < ran:
-            if req.lag_from is None:
-                req.lag_from = [0] * self.config.num_mtp_modules
-            req.lag_from[spec:ran] = [req.num_computed] * (ran - spec)
 
     def _slots(self, req: Request, n: int, d: int, final: bool | None = None) -> list[int]:
         """Positions each KV group must cover this step (docs/design.md §5)."""
@@ -423,13 +391,7 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, req: Request, n: int, d: int, new_blocks: list[list[int]],
                      spec: int) -> None:
-        if self._modules(spec) < self._modules(req.num_spec):  # modules past spec stop here until caught up (§9)
-            if req.modules_exact_upto is None:
-                req.modules_exact_upto = req.num_computed
-            self._lag(req, spec)
-            req.live_spec = spec
-        else:
-            req.live_spec, req.lag_from = -1, None
+        self.lags.advance(req, spec)  # modules past spec stop here until caught up (§9)
         plan.req_ids.append(req.request_id)
         plan.num_tokens.append(n)
         plan.num_drafts.append(d)

@@ -1,0 +1,63 @@
+"""Which MTP modules of a request lag behind its target, from where, and what a rise of k rewinds (design §9).
+
+A step at k below the modules leaves the modules past k behind; a later rise makes the workers rewind the
+request over the lag of the highest module it reaches. The scheduler keeps the lags on each Request
+(live_spec, lag_from) so that it can count those rewinds against the step's token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtpserve.cluster.request import Request
+
+
+@dataclass(frozen=True)
+class ModuleLags:
+    num_modules: int
+
+    def modules(self, spec: int) -> int:
+        """The MTP modules a chain of `spec` drafts runs: past the last one the chain runs it again, so a k
+        that differs from another only past the modules leaves none of them behind (no catch-up, no drain)."""
+        return min(spec, self.num_modules)
+
+    def within(self, req: Request, k: int, max_catch_up: int) -> int:
+        """The highest spec up to k whose modules lag at most `max_catch_up` positions (at least live_spec): a
+        higher module has lagged at least as long as a lower one, since a module runs only with every lower one."""
+        while k > req.live_spec and req.num_computed - req.lag_from[self.modules(k) - 1] > max_catch_up:
+            k -= 1
+        return k
+
+    def catch_up(self, req: Request, spec: int, budget: int) -> tuple[int, int]:
+        """(spec, the positions the workers recompute for it this step) within `budget` tokens: where k rises
+        past modules that lagged, the workers rewind the request over about the highest one's lag, which the budget
+        must hold with the request's own token; else the request keeps its live modules' drafts for now and
+        catches up in a later step. Uncounted, 32 requests rising together, each up to MAX_CATCH_UP positions
+        behind, recomputed up to 8192 positions in one step against the default budget of 2048, past the largest
+        prefill graph (4096 rows) and so through the eager general path."""
+        if not 0 <= req.live_spec < spec:
+            req.catch_up_owed = False
+            return spec, 0
+        # From where the highest module it catches up began to lag (the lower ones began then or later), and
+        # module m commits m positions behind the target.
+        rewind = req.num_computed - req.lag_from[self.modules(spec) - 1] + self.num_modules - 1
+        # Owed until done or k falls again, however far it lags meanwhile: where a step holds a few catch-ups, the
+        # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256 and the
+        # default budget, 256 requests 200 positions behind caught up over 54 steps on the H200, run 316).
+        req.catch_up_owed = rewind >= budget
+        return (spec, rewind) if rewind < budget else (req.live_spec, 0)
+
+    def advance(self, req: Request, spec: int) -> None:
+        """Note a step that runs `spec` drafts for `req`: the modules past spec that ran until now begin to lag
+        here, and those up to it are committed to the frontier (caught up, where k rose)."""
+        if self.modules(spec) >= self.modules(req.num_spec):
+            req.live_spec, req.lag_from = -1, None
+            return
+        if req.modules_exact_upto is None:
+            req.modules_exact_upto = req.num_computed
+        ran = req.live_spec if req.live_spec >= 0 else self.modules(req.num_spec)
+        if spec < ran:
+            if req.lag_from is None:
+                req.lag_from = [0] * self.num_modules
+            req.lag_from[spec:ran] = [req.num_computed] * (ran - spec)
+        req.live_spec = spec
