@@ -22,9 +22,11 @@ class ModuleLags:
         return min(spec, self.num_modules)
 
     def within(self, req: Request, k: int, max_catch_up: int) -> int:
-        """The highest spec up to k whose modules lag at most `max_catch_up` positions (at least live_spec): a
-        higher module has lagged at least as long as a lower one, since a module runs only with every lower one."""
-        while k > req.live_spec and req.num_computed - req.lag_from[self.modules(k) - 1] > max_catch_up:
+        """The highest spec up to k whose modules lag at most `max_catch_up` positions, or are owed a catch-up (at
+        least live_spec): a higher module has lagged at least as long as a lower one, since a module runs only with
+        every lower one."""
+        floor = req.live_spec if req.live_spec > req.catch_up_owed else req.catch_up_owed
+        while k > floor and req.num_computed - req.lag_from[self.modules(k) - 1] > max_catch_up:
             k -= 1
         return k
 
@@ -36,15 +38,17 @@ class ModuleLags:
         behind, recomputed up to 8192 positions in one step against the default budget of 2048, past the largest
         prefill graph (4096 rows) and so through the eager general path."""
         if not 0 <= req.live_spec < spec:
-            req.catch_up_owed = False
+            req.catch_up_owed = 0
             return spec, 0
         # From where the highest module it catches up began to lag (the lower ones began then or later), and
-        # module m commits m positions behind the target.
+        # module m commits m positions behind the target. A fall planned while a step is in flight notes that step's
+        # start, and the workers commit its modules short by that one step: exact, since one step at most is in flight.
         rewind = req.num_computed - req.lag_from[self.modules(spec) - 1] + self.num_modules - 1
-        # Owed until done or k falls again, however far it lags meanwhile: where a step holds a few catch-ups, the
-        # last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at c = 256 and the
-        # default budget, 256 requests 200 positions behind caught up over 54 steps on the H200, run 316).
-        req.catch_up_owed = rewind >= budget
+        # Owed until done or k falls again, however far its modules up to spec lag meanwhile: where a step holds a
+        # few catch-ups, the last requests' lags would otherwise grow past MAX_CATCH_UP while they wait their turn (at
+        # c = 256 and the default budget, 256 requests 200 positions behind caught up over 54 steps on the H200, run
+        # 316).
+        req.catch_up_owed = spec if rewind >= budget else 0
         return (spec, rewind) if rewind < budget else (req.live_spec, 0)
 
     def advance(self, req: Request, spec: int) -> None:
@@ -57,6 +61,7 @@ class ModuleLags:
             req.modules_exact_upto = req.num_computed
         ran = req.live_spec if req.live_spec >= 0 else self.modules(req.num_spec)
         if spec < ran:
+            req.catch_up_owed = 0  # k fell again (also in an overlapped step, which plans no catch-up)
             if req.lag_from is None:
                 req.lag_from = [0] * self.num_modules
             req.lag_from[spec:ran] = [req.num_computed] * (ran - spec)

@@ -49,7 +49,7 @@ class Request:
     # Per module (module m at m - 1), where it began to lag: a catch-up rewinds about to the highest module's entry.
     # Those up to live_spec are stale. (One point per request made a probe 2 -> 1 -> 2 rewind from the fall to 2.)
     lag_from: list[int] | None = None
-    catch_up_owed: bool = False  # a rise of k found the step's budget full: MAX_CATCH_UP no longer stops it
+    catch_up_owed: int = 0  # the spec a rise of k found the step's budget too full for: MAX_CATCH_UP no longer stops it
 
     def __post_init__(self) -> None:
         # Built once: append_verified runs per request per step, on the engine's hot path.

@@ -262,7 +262,7 @@ class Scheduler:
         live = req.live_spec
         if live < 0:
             return cap if len(req.token_ids) - req.num_computed > self.MAX_CATCH_UP else k
-        return self.lags.within(req, k, self.MAX_CATCH_UP) if live < k and not req.catch_up_owed else k
+        return self.lags.within(req, k, self.MAX_CATCH_UP) if live < k else k
 
     def _release_row(self, req: Request) -> None:
         if self.adaptive is not None and req.spec_row >= 0:
@@ -359,7 +359,7 @@ class Scheduler:
             req.resume_token = req.token_ids.pop()
         req.status, req.num_computed, req.num_drafts, req.kv_room = Status.WAITING, 0, 0, -1
         req.modules_exact_upto, req.live_spec, req.lag_from = None, -1, None  # the prefill runs every module again
-        req.catch_up_owed = False
+        req.catch_up_owed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
