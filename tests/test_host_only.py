@@ -43,6 +43,9 @@ def test_every_request_gets_its_tokens_and_drafts_are_accepted_as_told() -> None
 def _full_choices(monkeypatch: pytest.MonkeyPatch, pin: int | None, seeded: bool = True) -> tuple[float, int]:
     """(AL, full choices) of an auto run whose every draft is accepted (free, the chooser goes to k = 4)."""
     monkeypatch.setattr(AdaptiveSpec, "choose", ORIGINAL_CHOOSE)  # each wrap starts from the chooser itself
+    # A kept choice's dwell is paced by the wall-clock time of the choice: pinned, so that a slow choice on a loaded
+    # machine does not stretch one run's dwells and not the other's (a choice that changes k holds min_dwell anyway).
+    monkeypatch.setattr(AdaptiveSpec, "_dwell", lambda self, choice_seconds, step_seconds: 32)
     host_only.count_choices(pin)
     host_only.FULL_CHOICES[0] = 0
     run, _ = _run("auto", [1.0], [400, 400], seeded)

@@ -17,7 +17,8 @@ from tests.cluster.chooser_sim import K
 def test_full_choices_are_paced_by_the_dwell_even_when_k_holds(monkeypatch: pytest.MonkeyPatch) -> None:
     """A full choice (fold, cost table, argmax) costs host time; made every step once k had held for a dwell,
     it doubled auto's step at c = 1 on the H100."""
-    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8))
+    # max_dwell 8: a choice slower than 0.1 s (a loaded machine) would stretch the dwell past min_dwell.
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=4, min_dwell=8, max_dwell=8))
     rows = np.array([spec.admit(K, True) for _ in range(4)])
     spec.acceptance.set(rows, np.ones((K, 4)))  # always accepted: k stays K
     for k in range(K + 1):

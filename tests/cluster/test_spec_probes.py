@@ -22,6 +22,8 @@ def _one_request(step_seconds: float) -> tuple[AdaptiveSpec, np.ndarray]:
         spec.costs.seed(1, k, cost * step_seconds)
     row = np.array([spec.admit(K, True)])
     spec.acceptance.set(row, np.full((K, 1), 0.5))
+    # Each choice priced at 0.2 ms, not at its wall-clock time: one slow on a loaded machine stretched a dwell.
+    spec._dwell = lambda choice_seconds, step_seconds: AdaptiveSpec._dwell(spec, 200e-6, step_seconds)
     return spec, row
 
 
@@ -145,7 +147,8 @@ def test_a_full_choice_probes_past_the_modules_sooner_than_within_them() -> None
     p = np.tile([0.9, 0.9, 0.9, 0.05], (8, 1))  # k = 3 best
 
     def probe_comes_after(modules: int) -> int:
-        spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=0, modules=modules))
+        # max_dwell 1: a choice slow on a loaded machine would otherwise hold k a step more and shift the probe.
+        spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, min_dwell=0, max_dwell=1, modules=modules))
         rows = np.array([spec.admit(K, True) for _ in range(8)])
         spec.acceptance.set(rows, p.T)
         for j, seconds in enumerate(COSTS):
