@@ -16,7 +16,9 @@ k = 4's tok/s at the same k, run 231). --free lets auto's choices stand. A diagn
 time a rise of k past lagging modules costs and the cost model never prices; the table counts the positions each auto
 cell rewound. With it (5 us, c = 256, --k 3 --free, T = 1-like acceptance, 2 us a draft) the returns from auto's
 probes below the modules and its rises in drains (from a k = 2 its newcomers took) caught up 14-148 thousand positions
-in some cells (session AJ, docs/adaptive-measurements.md): run 318's failure on the H200, on the CPU.
+in some cells (session AJ, docs/adaptive-measurements.md): run 318's failure on the H200, on the CPU. Those counts
+were the scheduler's, from each request's first fall; the workers rewind per module, and since session AK so does the
+count. Charged per module, auto made about 0.93 of fixed k = 3 there with or without that change.
 
 --host-per-draft-us X makes each step's host spend X us more per draft (in the scheduler's update), a price a
 window of one k cannot show. With --free, 10 us, T = 1-like acceptance (0.66,0.69,0.71,0.5) and c = 8, fixed k = 1
