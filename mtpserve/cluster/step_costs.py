@@ -102,6 +102,7 @@ class StepCosts:
         # (paired_probe.py; host_draft_slopes is their median, a window's draw before the first): no window drew it
         # where auto dwelt on one k (run 300), and those that held two read the host's speed changes (run 301).
         self._draft_draws = [deque(maxlen=self.DRAFT_DRAWS) for _ in range(nb)]
+        self._draft_drawn = [False] * nb  # whether a window or probe of the bucket drew that price (_draft_prices)
         self._probes: list[PairedProbe | None] = [None] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
@@ -286,6 +287,7 @@ class StepCosts:
         around = [(s, e, probe.k) for s, e in probe.before + probe.after]
         speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
         self._draft_draws[b].append(drawn / speed if speed > 0 else drawn)
+        self._draft_drawn[b] = True
         self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
 
     def host_draft_prices(self, batch: int) -> list[float]:
@@ -382,9 +384,8 @@ class StepCosts:
         if drawn is not None and past:
             self._draw_recursion(b, drawn, min(ks))
         elif drawn is not None and not self._draft_draws[b]:  # a probe's draw outweighs any window's
-            self.host_draft_slopes[b] = drawn
-        per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
-        recursion = per_draft if recursion is None else recursion
+            self.host_draft_slopes[b], self._draft_drawn[b] = drawn, True
+        per_draft, recursion = self._draft_prices(b)
         # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
         # since a lap whose host share was clamped at 0 would otherwise zero them.
         slope = min(slope, plain_median([s / max(e, 1e-9) for s, e, _ in newest]))
@@ -403,6 +404,19 @@ class StepCosts:
             scale = (1.0 - self.HOST_KEPT) / saved
             slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
         return slope, per_draft, recursion
+
+    def _draft_prices(self, b: int) -> tuple[float, float]:
+        """(per draft below the modules, per draft past them) of bucket b's host per request, or where b drew none
+        of its own the nearest bucket's that did: a draining batch passes through its buckets too fast to draw one,
+        and priced at 0 their rows were flat; auto rose to k = 4 there (at T = 1, c = 32 on the H200 fixed k = 3's
+        steps at batches 17-24 emitted 7 % more tokens a ms than auto's at k = 4, run 319; at c = 256 auto rose in a
+        drain at 189 requests, session AJ)."""
+        drawn = [i for i, known in enumerate(self._draft_drawn) if known]
+        source = b if self._draft_drawn[b] or not drawn else self._nearest(drawn, b)
+        per_draft = self.host_draft_slopes[source]
+        recursion = self.host_recursion_slopes[b]
+        recursion = self.host_recursion_slopes[source] if recursion is None else recursion
+        return per_draft, per_draft if recursion is None else recursion
 
     def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
         """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
