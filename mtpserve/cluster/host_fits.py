@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
+
+from mtpserve.cluster.device_costs import plain_median
 
 
 def means_of_max(host: list[float], floors: list[float], spread: list[float]) -> list[float]:
@@ -85,3 +87,27 @@ def host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence[
     mean_rest, mean_k = sum(r for r, _ in rest) / len(rest), sum(k for _, k in rest) / len(rest)
     c = max(sum((k - mean_k) * (r - mean_rest) for r, k in rest) / sum((k - mean_k) ** 2 for _, k in rest), 0.0)
     return (None, None) if mean_rest - c * mean_k < 0 else (b, c)
+
+
+def within_host(slope: float, per_draft: float, recursion: float, newest: list[tuple[float, float, int]],
+                price_of: Callable[[float, float], list[float]], kept: float) -> tuple[float, float, float]:
+    """(slope, per_draft, recursion) of a host line, bounded by its newest samples (per request: host seconds,
+    tokens, k); price_of(per_draft, recursion) -> [K + 1] the drafts' price at each k."""
+    # The slopes kept from before may not exceed the host's share now (the level would go negative); medians,
+    # since a lap whose host share was clamped at 0 would otherwise zero them.
+    slope = min(slope, plain_median([s / max(e, 1e-9) for s, e, _ in newest]))
+    price = price_of(per_draft, recursion)
+    over = plain_median([price[k] / max(s - slope * e, 1e-12) for s, e, k in newest if k > 0] or [0.0])
+    if over > 1.0:
+        per_draft, recursion = per_draft / over, recursion / over
+        price = price_of(per_draft, recursion)
+    # Nor may they price a step at k = 0 below `kept` of the host now: a step's host also schedules, plans and
+    # reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host at c = 8 and 0.54 at
+    # T = 1, c = 256). A window of one k cannot tell the level from the slopes, and one that put nearly all of a
+    # greedy c = 128 step's host in its tokens and drafts priced k = 4 at 5.8x k = 0: auto ran k = 0, then caught
+    # up all 128 requests (run 143).
+    saved = plain_median([(slope * max(e - 1.0, 0.0) + price[k]) / max(s, 1e-12) for s, e, k in newest])
+    if saved > 1.0 - kept:
+        scale = (1.0 - kept) / saved
+        slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
+    return slope, per_draft, recursion

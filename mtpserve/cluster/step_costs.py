@@ -386,24 +386,7 @@ class StepCosts:
         elif drawn is not None and not self._draft_draws[b]:  # a probe's draw outweighs any window's
             self.host_draft_slopes[b], self._draft_drawn[b] = drawn, True
         per_draft, recursion = self._draft_prices(b)
-        # Nor may the slopes kept from before exceed the host's share now (the level would go negative); medians,
-        # since a lap whose host share was clamped at 0 would otherwise zero them.
-        slope = min(slope, plain_median([s / max(e, 1e-9) for s, e, _ in newest]))
-        price = self._draft_price(per_draft, recursion)
-        over = plain_median([price[k] / max(s - slope * e, 1e-12) for s, e, k in newest if k > 0] or [0.0])
-        if over > 1.0:
-            per_draft, recursion = per_draft / over, recursion / over
-            price = self._draft_price(per_draft, recursion)
-        # Nor may they price a step at k = 0 below HOST_KEPT of the host now: a step's host also schedules,
-        # plans and reads back each request whatever it drafts (on the H100, k = 0 kept 0.58 of k = 4's host
-        # at c = 8 and 0.54 at T = 1, c = 256). A window of one k cannot tell the level from the slopes, and
-        # one that put nearly all of a greedy c = 128 step's host in its tokens and drafts priced k = 4 at
-        # 5.8x k = 0: auto ran k = 0, then caught up all 128 requests (run 143).
-        saved = plain_median([(slope * max(e - 1.0, 0.0) + price[k]) / max(s, 1e-12) for s, e, k in newest])
-        if saved > 1.0 - self.HOST_KEPT:
-            scale = (1.0 - self.HOST_KEPT) / saved
-            slope, per_draft, recursion = slope * scale, per_draft * scale, recursion * scale
-        return slope, per_draft, recursion
+        return host_fits.within_host(slope, per_draft, recursion, newest, self._draft_price, self.HOST_KEPT)
 
     def _draft_prices(self, b: int) -> tuple[float, float]:
         """(per draft below the modules, per draft past them) of bucket b's host per request, or where b drew none
