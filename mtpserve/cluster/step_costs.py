@@ -390,12 +390,13 @@ class StepCosts:
 
     def _draft_prices(self, b: int) -> tuple[float, float]:
         """(per draft below the modules, per draft past them) of bucket b's host per request, or where b drew none
-        of its own the nearest bucket's that did: a draining batch passes through its buckets too fast to draw one,
-        and priced at 0 their rows were flat; auto rose to k = 4 there (at T = 1, c = 32 on the H200 fixed k = 3's
-        steps at batches 17-24 emitted 7 % more tokens a ms than auto's at k = 4, run 319; at c = 256 auto rose in a
-        drain at 189 requests, session AJ)."""
-        drawn = [i for i, known in enumerate(self._draft_drawn) if known]
-        source = b if self._draft_drawn[b] or not drawn else self._nearest(drawn, b)
+        of its own the next larger bucket's that did: a draining batch passes through its buckets too fast to draw
+        one, and priced at 0 their rows were flat; auto rose to k = 4 there (at T = 1, c = 32 on the H200 fixed
+        k = 3's steps at batches 17-24 emitted 7 % more tokens a ms than auto's at k = 4, run 319; at c = 256 auto
+        rose in a drain at 189 requests, session AJ). Never a smaller bucket's: its price per request also holds
+        the step's own part of a draft, spread over fewer requests (18 us at batch 1 in run 322, which at batch 96
+        would have priced k = 0 best at T = 1, where k = 4 ran fastest)."""
+        source = next((i for i in range(b, len(self._draft_drawn)) if self._draft_drawn[i]), b)
         per_draft = self.host_draft_slopes[source]
         recursion = self.host_recursion_slopes[b]
         recursion = self.host_recursion_slopes[source] if recursion is None else recursion
