@@ -44,8 +44,9 @@ def _full_choices(monkeypatch: pytest.MonkeyPatch, pin: int | None, seeded: bool
     """(AL, full choices) of an auto run whose every draft is accepted (free, the chooser goes to k = 4)."""
     monkeypatch.setattr(AdaptiveSpec, "choose", ORIGINAL_CHOOSE)  # each wrap starts from the chooser itself
     # A kept choice's dwell is paced by the wall-clock time of the choice: pinned, so that a slow choice on a loaded
-    # machine does not stretch one run's dwells and not the other's (a choice that changes k holds min_dwell anyway).
-    monkeypatch.setattr(AdaptiveSpec, "_dwell", lambda self, choice_seconds, step_seconds: 32)
+    # machine does not stretch one run's dwells and not the other's (each choice priced at 0.2 ms).
+    monkeypatch.setattr(AdaptiveSpec, "_dwell",
+                        lambda self, choice_seconds, step_seconds: ORIGINAL_DWELL(self, 200e-6, step_seconds))
     host_only.count_choices(pin)
     host_only.FULL_CHOICES[0] = 0
     run, _ = _run("auto", [1.0], [400, 400], seeded)
@@ -53,6 +54,7 @@ def _full_choices(monkeypatch: pytest.MonkeyPatch, pin: int | None, seeded: bool
 
 
 ORIGINAL_CHOOSE = AdaptiveSpec.choose
+ORIGINAL_DWELL = AdaptiveSpec._dwell
 
 
 def test_pinned_auto_runs_the_fixed_k_after_choosing(monkeypatch: pytest.MonkeyPatch) -> None:

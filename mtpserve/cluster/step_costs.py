@@ -28,11 +28,12 @@ import numpy as np
 
 from mtpserve.cluster.device_costs import DeviceCosts, lower_median, plain_median
 from mtpserve.cluster import host_fits
-from mtpserve.cluster.paired_probe import SIDE, PairedProbe
+from mtpserve.cluster.draft_prices import DraftPriceDraws
+from mtpserve.cluster.paired_probe import PairedProbe
 from mtpserve.workers.cuda_graphs import batch_buckets
 
 
-class StepCosts:
+class StepCosts(DraftPriceDraws):
     """Seconds of a decode step per (batch bucket, k): combine(host now, device at k).
 
     The device's share is kept per sampling mode (a DeviceCosts for all-greedy batches, one for the others):
@@ -61,10 +62,6 @@ class StepCosts:
     DEVICE_BOUND = 0.1  # a lap is the device's period when the host waited at least this share of it
     HOST_KEPT = 0.5  # the least share of the host per request now that the line keeps at k = 0
     HOST_REFIT = 32  # samples between two fits of a full host window's slopes (its level follows every sample)
-    RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
-    # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
-    # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
-    DRAFT_DRAWS = 5
 
     def __init__(self, max_k: int, max_rows: int, window: int = 16, per_draft_cost: float = 0.12,
                  modules: int | None = None) -> None:
@@ -102,7 +99,6 @@ class StepCosts:
         # (paired_probe.py; host_draft_slopes is their median, a window's draw before the first): no window drew it
         # where auto dwelt on one k (run 300), and those that held two read the host's speed changes (run 301).
         self._draft_draws = [deque(maxlen=self.DRAFT_DRAWS) for _ in range(nb)]
-        self._draft_drawn = [False] * nb  # whether a window or probe of the bucket drew that price (_draft_prices)
         self._probes: list[PairedProbe | None] = [None] * nb
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
@@ -260,36 +256,6 @@ class StepCosts:
             return False
         return bool(hosts) and plain_median(hosts) * max(batch, 1) < self._device(batch, greedy)[k - 1]
 
-    def knows_recursion(self, batch: int) -> bool:
-        """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
-        return self.host_recursion_slopes[self.bucket(batch)] is not None
-
-    def knows_draft_price(self, batch: int) -> bool:
-        """Whether this batch's bucket has drawn the host's price of a draft below the modules from DRAFT_DRAWS
-        probes."""
-        return len(self._draft_draws[self.bucket(batch)]) == self.DRAFT_DRAWS
-
-    def begin_probe(self, batch: int, k: int) -> None:
-        """The chooser probes k - 1 from k (below the modules) in this batch's bucket from the next step: its
-        steps, and those at k around it, draw the host's price of a draft (paired_probe.py)."""
-        b = self.bucket(batch)
-        before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:SIDE]
-        self._probes[b] = PairedProbe(k, before)
-
-    def _draw_probe(self, b: int, probe: PairedProbe) -> None:
-        """A complete probe's draw, in the line's units (at the host's speed of the line's window, as its other
-        terms: divided by the speed the samples around the probe ran at)."""
-        drawn = probe.draw(self.host_slopes[b])
-        if drawn is None:
-            return
-        slope, per_draft, recursion = self._slopes[b]  # as the last fit left them (recursion: per_draft until drawn)
-        price = self._draft_price(per_draft, recursion)
-        around = [(s, e, probe.k) for s, e in probe.before + probe.after]
-        speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
-        self._draft_draws[b].append(drawn / speed if speed > 0 else drawn)
-        self._draft_drawn[b] = True
-        self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
-
     def host_draft_prices(self, batch: int) -> list[float]:
         """[K + 1] the host's seconds per request for k drafts in this batch's bucket, beyond their tokens'."""
         return self._host_fit(batch)[2]
@@ -384,33 +350,6 @@ class StepCosts:
         if drawn is not None and past:
             self._draw_recursion(b, drawn, min(ks))
         elif drawn is not None and not self._draft_draws[b]:  # a probe's draw outweighs any window's
-            self.host_draft_slopes[b], self._draft_drawn[b] = drawn, True
+            self.host_draft_slopes[b] = drawn
         per_draft, recursion = self._draft_prices(b)
         return host_fits.within_host(slope, per_draft, recursion, newest, self._draft_price, self.HOST_KEPT)
-
-    def _draft_prices(self, b: int) -> tuple[float, float]:
-        """(per draft below the modules, per draft past them) of bucket b's host per request, or where b drew none
-        of its own the next larger bucket's that did: a draining batch passes through its buckets too fast to draw
-        one, and priced at 0 their rows were flat; auto rose to k = 4 there (at T = 1, c = 32 on the H200 fixed
-        k = 3's steps at batches 17-24 emitted 7 % more tokens a ms than auto's at k = 4, run 319; at c = 256 auto
-        rose in a drain at 189 requests, session AJ). Never a smaller bucket's: its price per request also holds
-        the step's own part of a draft, spread over fewer requests (18 us at batch 1 in run 322, which at batch 96
-        would have priced k = 0 best at T = 1, where k = 4 ran fastest)."""
-        source = next((i for i in range(b, len(self._draft_drawn)) if self._draft_drawn[i]), b)
-        per_draft = self.host_draft_slopes[source]
-        recursion = self.host_recursion_slopes[b]
-        recursion = self.host_recursion_slopes[source] if recursion is None else recursion
-        return per_draft, per_draft if recursion is None else recursion
-
-    def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
-        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
-        draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
-        host_recursion_slopes) at the lower median of the last RECURSION_DRAWS."""
-        draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
-        if draws and self._recursion_probe[b] == probe:
-            draws[-1] = drawn
-        else:
-            draws.append(drawn)
-            self._recursion_probe[b] = probe
-        if len(draws) == draws.maxlen:
-            self.host_recursion_slopes[b] = lower_median(draws)

@@ -250,30 +250,3 @@ def test_a_probe_is_void_where_another_k_runs_and_draws_nothing_from_too_few_ste
     for _ in range(SIDE):
         full.add(3, 50e-6, 2.0)
     assert full.draw(10e-6) == pytest.approx(6e-6 - 10e-6 * 0.2)  # the 0.2 tokens a request more at k priced out
-
-
-def test_a_bucket_that_drew_no_price_of_a_draft_borrows_the_next_larger_drawn_one() -> None:
-    """A draining batch passes through its buckets too fast to draw the host's price of a draft, and priced at 0
-    their rows were flat (auto rose to k = 4 in drains). Never from a smaller bucket: a price per request drawn
-    there also holds the step's own part spread over fewer requests. Host per request: 20 us + 2 a token + a
-    draft's price, 3 us at batch 16 and 6 us at 8 and 32."""
-    costs = StepCosts(max_k=4, max_rows=32, modules=3)
-    step = 0
-
-    def run(batch: int, ks: list[int], per_draft_us: float) -> None:
-        nonlocal step
-        for k in ks:
-            tokens = batch * (1 + 0.5 * k + 0.25 * (step % 3))  # acceptance varies: the tokens' price is drawn
-            costs.observe(batch, k, 1e-4, host=1e-6 * (batch * (20 + per_draft_us * k) + 2 * tokens), tokens=tokens)
-            costs.host_draft_prices(batch)  # a choice reads (and refits) the line
-            step += 1
-
-    run(16, [2, 3] * StepCosts.HOST_WINDOW, 3.0)  # two k's: bucket 16 draws its own
-    assert costs.host_draft_prices(16)[1] == pytest.approx(3e-6, rel=0.05)
-    run(32, [3] * StepCosts.HOST_WINDOW, 6.0)  # one k alone: bucket 32 cannot draw, nor take the smaller's
-    assert costs.host_draft_prices(32)[1] == 0.0
-    run(32, [2, 3] * StepCosts.HOST_WINDOW, 6.0)
-    assert costs.host_draft_prices(32)[1] == pytest.approx(6e-6, rel=0.05)
-    run(8, [3] * StepCosts.HOST_WINDOW, 6.0)  # one k alone: bucket 8 takes the next larger drawn one's, 16's
-    assert costs.host_draft_prices(8)[1] == pytest.approx(3e-6, rel=0.05)
-    assert costs.host_draft_prices(16)[1] == pytest.approx(3e-6, rel=0.05)  # each drawn bucket keeps its own

@@ -1,0 +1,88 @@
+"""The host's price of a draft per batch bucket, as StepCosts draws it (docs/design.md §9): below the MTP modules
+from windows that held two k's and from the chooser's A/B/A probes (paired_probe.py), past them (where the chain
+reruns the last module) from windows that held only k's there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from mtpserve.cluster import host_fits
+from mtpserve.cluster.device_costs import lower_median, plain_median
+from mtpserve.cluster.paired_probe import SIDE, PairedProbe
+
+
+class DraftPriceDraws:
+    """StepCosts' part that draws the host's price of a draft. Its state lives on StepCosts, per bucket (a pickled
+    model, benchmarks/cost_samples.py, keeps it there): host_draft_slopes, host_recursion_slopes, _draft_draws,
+    _recursion_draws, _recursion_probe and _probes, beside the host line's own."""
+
+    RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
+    # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
+    # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
+    DRAFT_DRAWS = 5
+    host_recent: list[deque]
+    host_slopes: list[float]
+    host_draft_slopes: list[float]
+    host_recursion_slopes: list[float | None]
+    k_seen: list[list[int]]
+    _draft_draws: list[deque]
+    _recursion_draws: list[deque]
+    _recursion_probe: list[int]
+    _probes: list[PairedProbe | None]
+    _slopes: list[tuple[float, float, float]]
+    _bases: list[float]
+    _fitted_at: list[int]
+    bucket: Callable[[int], int]  # StepCosts': a batch's bucket
+    _draft_price: Callable[[float, float], list[float]]  # StepCosts': [K + 1] the drafts' price at each k
+
+    def knows_recursion(self, batch: int) -> bool:
+        """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
+        return self.host_recursion_slopes[self.bucket(batch)] is not None
+
+    def knows_draft_price(self, batch: int) -> bool:
+        """Whether this batch's bucket has drawn the host's price of a draft below the modules from DRAFT_DRAWS
+        probes."""
+        return len(self._draft_draws[self.bucket(batch)]) == self.DRAFT_DRAWS
+
+    def begin_probe(self, batch: int, k: int) -> None:
+        """The chooser probes k - 1 from k (below the modules) in this batch's bucket from the next step: its
+        steps, and those at k around it, draw the host's price of a draft (paired_probe.py)."""
+        b = self.bucket(batch)
+        before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:SIDE]
+        self._probes[b] = PairedProbe(k, before)
+
+    def _draw_probe(self, b: int, probe: PairedProbe) -> None:
+        """A complete probe's draw, in the line's units (at the host's speed of the line's window, as its other
+        terms: divided by the speed the samples around the probe ran at)."""
+        drawn = probe.draw(self.host_slopes[b])
+        if drawn is None:
+            return
+        slope, per_draft, recursion = self._slopes[b]  # as the last fit left them (recursion: per_draft until drawn)
+        price = self._draft_price(per_draft, recursion)
+        around = [(s, e, probe.k) for s, e in probe.before + probe.after]
+        speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
+        self._draft_draws[b].append(drawn / speed if speed > 0 else drawn)
+        self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
+
+    def _draft_prices(self, b: int) -> tuple[float, float]:
+        """(per draft below the modules, per draft past them) of bucket b's host per request, as b drew them (past
+        the modules as below them until drawn there). A bucket a drain passes through too fast to draw its own
+        keeps 0 (docs/adaptive-measurements.md, session AK: borrowing a larger bucket's, tried, moved drain picks
+        to k's whose steps ran slower there)."""
+        per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
+        return per_draft, per_draft if recursion is None else recursion
+
+    def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
+        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
+        draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
+        host_recursion_slopes) at the lower median of the last RECURSION_DRAWS."""
+        draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
+        if draws and self._recursion_probe[b] == probe:
+            draws[-1] = drawn
+        else:
+            draws.append(drawn)
+            self._recursion_probe[b] = probe
+        if len(draws) == draws.maxlen:
+            self.host_recursion_slopes[b] = lower_median(draws)
