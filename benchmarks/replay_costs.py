@@ -2,7 +2,7 @@
 """Auto's priced steps against the fixed-k cells of the same rounds, replayed offline from a GPU run's samples.
 
     python benchmarks/interleaved.py --ks 1,2,3,4,auto --concurrency 8 --temperature 1 --dump-samples s.json
-    python benchmarks/replay_costs.py s.json [--variant no-spread]
+    python benchmarks/replay_costs.py s.json [--variant no-spread] [--below-full]
 
 interleaved.py runs an engine per variant, one short cell of each per round, so a round's fixed-k cells say what
 each k's steps cost and emitted while auto's engine chose. For every full choice auto made at the full batch this
@@ -12,7 +12,9 @@ sets beside each k's real mean lap and tokens a step (the fixed cells' full-batc
   * the k each row's rate picks (with the choice's own expected tokens) against the k the real laps and tokens
     pick, and the real rate lost by the pick.
 A replay sees the samples auto's choices produced; a variant that would have chosen otherwise would have seen
-others. So it measures pricing, not the closed loop: what it finds is then run on the GPU.
+others. So it measures pricing, not the closed loop: what it finds is then run on the GPU. --below-full looks at
+auto's choices below the full batch instead (ramps, wave changes, drains): how many rows priced k = 1-3 alike and
+which k each row picks, the engine's and the replay's (session AK: a price borrowed from another bucket, tried so).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import base64
 import pickle
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, Callable
@@ -84,10 +86,11 @@ def real_cells(records: list[Record], c: int) -> dict[tuple[int, int], tuple[flo
     return {key: (statistics.mean(x for x, _ in v), statistics.mean(t for _, t in v)) for key, v in laps.items()}
 
 
-def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepCosts], None]
-           ) -> list[tuple[Record, list[float]]]:
-    """Auto's choices at the full batch, each with the cost row the replayed model prices there. Where one engine ran
-    every variant (cell_phases.py: its state is tagged ""), it is fed every variant's samples, in order."""
+def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepCosts], None],
+           at: Callable[[int], bool] | None = None) -> list[tuple[Record, list[float]]]:
+    """Auto's choices at the full batch (or at the batches `at` accepts), each with the cost row the replayed model
+    prices there. Where one engine ran every variant (cell_phases.py: its state is tagged ""), it is fed every
+    variant's samples, in order."""
     own = any(r["kind"] == "state" and r["variant"] == variant for r in records)
     mine = [r for r in records if r["variant"] == variant or not own and r["kind"] != "choice"]
     state = next(r for r in mine if r["kind"] == "state")
@@ -101,9 +104,9 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
                           r["lap"])
         elif r["kind"] == "probe":  # recorded since session AH: older dumps replay without the probes' draws
             costs.begin_probe(r["batch"], r["k"])
-        elif r["kind"] == "choice" and r["batch"] == c:
+        elif r["kind"] == "choice" and (r["batch"] == c if at is None else at(r["batch"])):
             tokens = list(accumulate(r["gains"], initial=r["base"]))
-            out.append((r, costs.costs(c, tokens, greedy=greedy).tolist()))
+            out.append((r, costs.costs(r["batch"], tokens, greedy=greedy).tolist()))
     return out
 
 
@@ -147,14 +150,39 @@ def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCost
                   f"best picked in {sum(g == 1.0 for g in got)} of {len(got)}")
 
 
+def below_full(records: list[Record], c: int, what_if: Callable[[StepCosts], None]
+               ) -> tuple[int, dict[str, int], dict[str, Counter]]:
+    """Auto's choices at batches c/8 to c - 1 (ramps, wave changes, drains), which no fixed cell of the same batch
+    measures: (choices, per row "engine" and "replay" its flat rows (k = 1 and 3 priced within 0.1 %: no host price
+    of a draft drawn there, session AK), and the k each row's rate picks)."""
+    rows = replay(records, f"k=auto c={c}", c, what_if, at=lambda b: c // 8 <= b < c)
+    flat = {"engine": 0, "replay": 0}
+    picks: dict[str, Counter] = {"engine": Counter(), "replay": Counter()}
+    for choice, replayed in rows:
+        tokens = list(accumulate(choice["gains"], initial=choice["base"]))
+        for label, row in (("engine", choice["cost"]), ("replay", replayed)):
+            flat[label] += len(row) > 3 and abs(row[3] - row[1]) < 1e-3 * row[1]
+            picks[label][max(range(len(row)), key=lambda k: tokens[k] / row[k])] += 1
+    return len(rows), flat, picks
+
+
+def report_below_full(records: list[Record], c: int, name: str, what_if: Callable[[StepCosts], None]) -> None:
+    n, flat, picks = below_full(records, c, what_if)
+    print(f"c={c}, {name}: {n} choices at batches {c // 8}-{c - 1}")
+    for label in ("engine", "replay"):
+        print(f"  {label}: flat rows {flat[label]}; picks {dict(sorted(picks[label].items()))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dump", help="a JSON file written by --dump-samples")
     p.add_argument("--variant", default="as-is", choices=sorted(VARIANTS))
+    p.add_argument("--below-full", action="store_true", help="auto's choices at batches c/8 to c - 1 instead: flat "
+                   "rows and picks, the engine's and the replay's (no fixed cell measures those batches)")
     args = p.parse_args(argv)
     records = cost_samples.load(args.dump)
     for c in sorted({int(r["variant"].split("c=")[1]) for r in records if "auto" in r["variant"]}):
-        report(records, c, args.variant, VARIANTS[args.variant])
+        (report_below_full if args.below_full else report)(records, c, args.variant, VARIANTS[args.variant])
     return 0
 
 

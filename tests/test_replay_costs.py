@@ -147,3 +147,23 @@ def test_a_recorded_probe_starts_in_the_replay_where_the_engine_started_it() -> 
     drawn = direct._draft_draws[direct.bucket(4)]
     assert list(drawn) == [pytest.approx(0.05e-3)]  # (1.0 - 0.8) ms a step of 4 requests, one draft each
     assert list(replayed[0]._draft_draws[direct.bucket(4)]) == list(drawn)
+
+
+def test_below_full_counts_flat_rows_and_picks_at_the_batches_no_fixed_cell_measures() -> None:
+    """A choice at batch 4 of c = 8 whose row priced k = 0-3 alike (no host price of a draft drawn there) picks the
+    most drafts it priced alike; one at the full batch, or below c/8, is not counted."""
+    start = StepCosts(max_k=4, max_rows=8)
+    state = {"kind": "state", "variant": "k=auto c=8", "costs": base64.b64encode(pickle.dumps(start)).decode()}
+
+    def choice(batch: int, cost: list[float]) -> dict:
+        return {"kind": "choice", "variant": "k=auto c=8", "round": 0, "t": 0.0, "batch": batch,
+                "gains": [1.0, 0.8, 0.6, 0.4], "base": float(batch), "floor": 0, "cost": cost, "current": 4,
+                "chosen": 4}
+
+    sloped = [1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3]
+    records = [state, *[_sample("k=auto c=8", 0, 4, 1e-3, 1e-3, 12.0, batch=4) for _ in range(8)],
+               choice(4, [1e-3] * 4 + [1.1e-3]), choice(6, sloped), choice(8, [1e-3] * 5), choice(0, [1e-3] * 5)]
+    n, flat, picks = replay_costs.below_full(records, 8, lambda costs: None)
+    assert n == 2 and flat["engine"] == 1
+    assert picks["engine"] == {3: 1, 0: 1}  # the flat row picks k = 3 (k = 4 dearer); the sloped one none
+    assert sum(picks["replay"].values()) == 2
