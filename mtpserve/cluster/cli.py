@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 DEFAULT_ADDRESS = "localhost:50051"
-AUTH_TOKEN_ENV = "MTPSERVE_AUTH_TOKEN"  # same as serve.AUTH_TOKEN_ENV (not imported: serve pulls in torch)
+AUTH_TOKEN_ENV = "MTPSERVE_AUTH_TOKEN"  # same as serve_config.AUTH_TOKEN_ENV (not imported: it pulls in torch)
 
 
 # -- shared client flags ----------------------------------------------------------------------------
