@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mtpserve import LLM, SamplingParams
-from mtpserve.workers.models.train import dense_layer, target_hidden
+from mtpserve.workers.models.dense import dense_layer, target_hidden
 from tests.conftest import prompts_of
 
 
