@@ -5,7 +5,7 @@ Corpus: the running interpreter's standard library (*.py, test suites excluded),
 path; about 5% of the files, chosen by a stable hash of the path, are held out (half of them, the
 "val" half, picks the best weights during training; the other, "test", half only reports).
 Tokenizer: byte-level BPE (vocab 8192, "<|endoftext|>" as eos/bos, appended after every file).
-Objective: DeepSeek-V3 MTP (main CE + lambda * mean of the modules' CE), mtpserve.workers.models.train.
+Objective: DeepSeek-V3 MTP (main CE + lambda * mean of the modules' CE), mtpserve.workers.models.dense.
 
     python tools/train_default_model.py --out DIR --device cuda --minutes 8     # the real run (H100)
     python tools/train_default_model.py --out DIR --device cpu --tiny            # CI smoke, seconds
