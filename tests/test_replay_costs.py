@@ -166,4 +166,6 @@ def test_below_full_counts_flat_rows_and_picks_at_the_batches_no_fixed_cell_meas
     n, flat, picks = replay_costs.below_full(records, 8, lambda costs: None)
     assert n == 2 and flat["engine"] == 1
     assert picks["engine"] == {3: 1, 0: 1}  # the flat row picks k = 3 (k = 4 dearer); the sloped one none
-    assert flat["replay"] == 0 and sum(picks["replay"].values()) == 2  # replayed, the device's prior prices drafts
+    # Replayed, the device's prior prices each draft (not flat), and each choice is priced at its own batch's tokens:
+    # the same row picks k = 3 for batch 4's expected tokens and k = 2 for batch 6's.
+    assert flat["replay"] == 0 and picks["replay"] == {3: 1, 2: 1}

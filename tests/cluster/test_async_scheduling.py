@@ -129,10 +129,16 @@ def test_the_choosers_piece_of_a_due_choice_runs_after_the_launch_and_before_the
     engine, events = llm.engine, []
     submit, wait, prepare = engine.executor.submit, engine.executor.wait, AdaptiveSpec._prepare
     overlapped = engine._launch_overlapped
+
+    def launch_overlapped() -> object:  # records a step whose overlapped plan was declined (it launches nothing)
+        step = overlapped()
+        if step is None:
+            events.append("none launched")
+        return step
+
     monkeypatch.setattr(engine.executor, "submit", lambda plan: (events.append("launch"), submit(plan))[1])
     monkeypatch.setattr(engine.executor, "wait", lambda handle: (events.append("wait"), wait(handle))[1])
-    monkeypatch.setattr(engine, "_launch_overlapped",
-                        lambda: (lambda step: (step or events.append("none launched"), step)[1])(overlapped()))
+    monkeypatch.setattr(engine, "_launch_overlapped", launch_overlapped)
     monkeypatch.setattr(AdaptiveSpec, "_prepare", lambda self, *a: (events.append("prepare"), prepare(self, *a))[1])
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(4)]
     llm.generate(prompts_of(97, [5, 8, 3, 12], seed=2), params)
