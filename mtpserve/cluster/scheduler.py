@@ -288,8 +288,12 @@ class Scheduler:
         end = req.num_computed + n + d
         final = req.num_computed + n == len(req.token_ids) if final is None else final
         extras = extra_positions(req.num_spec, self.config.num_mtp_modules, self.config.chain_mode)
-        # A final step also drafts: module m then writes up to `extra` positions past the target's end.
-        return [end] + [(end + (e if final else 0)) if e >= 0 else 0 for e in extras]
+        # A final step also drafts: module m then writes up to `extra` positions past the target's end. Every group
+        # used is grown as far as the one that writes furthest, so that all cross block boundaries together: one
+        # allocation per block instead of one per group boundary (at k = 4 over 3 modules they were staggered by one
+        # position, and a capped request allocated 40 % more often than at k = 3 on the host).
+        reach = end + max(0, *extras) if final else end
+        return [reach] + [reach if e >= 0 else 0 for e in extras]
 
     def _groups(self, req: Request) -> tuple[int, ...]:
         """The KV groups this request uses: the target, and the modules its chain reaches."""

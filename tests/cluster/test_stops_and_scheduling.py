@@ -114,6 +114,23 @@ def test_token_budget_and_sequence_cap_hold_every_step(worded: Path) -> None:
     assert engine.blocks.all_free
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_requests_kv_groups_gain_blocks_together(worded: Path, k: int) -> None:
+    """At k = 3 over 2 modules the second module's group writes a position past the target's end; every group is
+    grown as far as it, so the groups cross block boundaries in the same step: one allocation (and one block-table
+    diff per group on the workers) per block, not one per group boundary."""
+    engine = LLMEngine(EngineConfig(model=str(worded), num_speculative_tokens=k, block_size=4))
+    for i, p in enumerate(prompts_of(97, [7, 13, 4], seed=5)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        engine.step()
+        lengths = [[len(t) for t in tables] for tables in engine.blocks.tables.values()]
+        assert all(len(set(per_group)) == 1 for per_group in lengths), (steps, lengths)
+    assert steps > 10 and engine.blocks.all_free
+
+
 def test_logprobs_are_the_models_and_do_not_depend_on_speculation(worded: Path) -> None:
     import torch
 
