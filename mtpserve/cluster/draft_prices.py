@@ -16,7 +16,7 @@ from mtpserve.cluster.paired_probe import SIDE, PairedProbe
 class DraftPriceDraws:
     """StepCosts' part that draws the host's price of a draft. Its state lives on StepCosts, per bucket (a pickled
     model, benchmarks/cost_samples.py, keeps it there): host_draft_slopes, host_recursion_slopes, _draft_draws,
-    _recursion_draws, _recursion_probe and _probes, beside the host line's own."""
+    _recursion_draws, _recursion_probe, _recursion_paired and _probes, beside the host line's own."""
 
     RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
     # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
@@ -30,6 +30,7 @@ class DraftPriceDraws:
     _draft_draws: list[deque]
     _recursion_draws: list[deque]
     _recursion_probe: list[int]
+    _recursion_paired: list[bool]
     _probes: list[PairedProbe | None]
     _slopes: list[tuple[float, float, float]]
     _bases: list[float]
@@ -47,8 +48,9 @@ class DraftPriceDraws:
         return len(self._draft_draws[self.bucket(batch)]) == self.DRAFT_DRAWS
 
     def begin_probe(self, batch: int, k: int) -> None:
-        """The chooser probes k - 1 from k (below the modules) in this batch's bucket from the next step: its
-        steps, and those at k around it, draw the host's price of a draft (paired_probe.py)."""
+        """The chooser probes k - 1 from k in this batch's bucket from the next step: its steps, and those at k around
+        it, draw the host's price of a draft (paired_probe.py), below the modules or, where k - 1 reaches them all,
+        past them."""
         b = self.bucket(batch)
         before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:SIDE]
         self._probes[b] = PairedProbe(k, before)
@@ -63,7 +65,12 @@ class DraftPriceDraws:
         price = self._draft_price(per_draft, recursion)
         around = [(s, e, probe.k) for s, e in probe.before + probe.after]
         speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
-        self._draft_draws[b].append(drawn / speed if speed > 0 else drawn)
+        drawn = drawn / speed if speed > 0 else drawn
+        if probe.k > self.modules:  # k - 1 still runs every module: the draft it left out reruns the last one
+            self._recursion_paired[b] = True
+            self._draw_recursion(b, drawn, -1)
+            return
+        self._draft_draws[b].append(drawn)
         self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
 
     def _draft_prices(self, b: int) -> tuple[float, float]:
@@ -75,11 +82,12 @@ class DraftPriceDraws:
         return per_draft, per_draft if recursion is None else recursion
 
     def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
-        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed`: a new
-        draw where that k was sampled since the last draw's probe, else the last draw refined; settled (see
-        host_recursion_slopes) at the lower median of the last RECURSION_DRAWS."""
-        draws, probe = self._recursion_draws[b], self.k_seen[b][probed]
-        if draws and self._recursion_probe[b] == probe:
+        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed` (-1: a
+        paired probe drew it, each one a draw of its own): a new draw where that k was sampled since the last draw's
+        probe, else the last draw refined; settled (see host_recursion_slopes) at the lower median of the last
+        RECURSION_DRAWS."""
+        draws, probe = self._recursion_draws[b], self.k_seen[b][probed] if probed >= 0 else -1
+        if draws and probe >= 0 and self._recursion_probe[b] == probe:
             draws[-1] = drawn
         else:
             draws.append(drawn)

@@ -344,7 +344,8 @@ class AdaptiveSpec:
         at the host level of its own. At c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster,
         greedy (run 214), and on k = 4 where k = 1 ran 10 % faster at T = 1 (run 205).
         * Past the modules (the chain recurses on the last one) a probe leaves no module behind: probe_after apart
-          once the price is settled, since each probe draws it anew (see StepCosts.host_recursion_slopes).
+          once the price is settled, since each probe draws it anew, A/B/A as below them (since session AL: a window
+          of k and k - 1 read the host's drift as the price, StepCosts._recursion_paired).
         * At or below them, k - 1 leaves module k - 1 behind, and every request is caught up when k rises again
           (a general-path step): only until DRAFT_DRAWS such probes drew the price below the modules, each from
           its own steps against those at k around it (StepCosts.begin_probe), which the line then keeps. At T = 1,
@@ -364,8 +365,7 @@ class AdaptiveSpec:
         if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now
-        if not past:
-            costs.begin_probe(batch, k)  # drawn A/B/A from its steps and those at k around it
+        costs.begin_probe(batch, k)  # drawn A/B/A from its steps and those at k around it
         return k - 1
 
     def estimates(self) -> list[float]:

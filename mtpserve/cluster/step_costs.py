@@ -95,6 +95,10 @@ class StepCosts(DraftPriceDraws):
         # from one probe on a drifting host it read 16 us a request where k = 4 ran 7 % faster (run 235).
         self._recursion_draws = [deque(maxlen=self.RECURSION_DRAWS) for _ in range(nb)]
         self._recursion_probe = [-1] * nb
+        # Per bucket, whether a paired probe (A/B/A) has drawn that price: a window's draw is taken only until then.
+        # Through a window that held k = 3 and 4 the host's drift read as up to 4.9 us a request for the fourth draft
+        # at T = 1, c = 256 on the H200, where fixed k = 4's steps took less host than k = 3's (run 326).
+        self._recursion_paired = [False] * nb
         # Per bucket, the price of a draft below the modules as the last DRAFT_DRAWS probes drew it, each A/B/A
         # (paired_probe.py; host_draft_slopes is their median, a window's draw before the first): no window drew it
         # where auto dwelt on one k (run 300), and those that held two read the host's speed changes (run 301).
@@ -348,7 +352,8 @@ class StepCosts(DraftPriceDraws):
         slope, drawn = host_fits.host_slopes(seconds, emitted, units, plain_median(seconds), self.host_slopes[b])
         self.host_slopes[b] = slope = self.host_slopes[b] if slope is None else slope
         if drawn is not None and past:
-            self._draw_recursion(b, drawn, min(ks))
+            if not self._recursion_paired[b]:
+                self._draw_recursion(b, drawn, min(ks))
         elif drawn is not None and not self._draft_draws[b]:  # a probe's draw outweighs any window's
             self.host_draft_slopes[b] = drawn
         per_draft, recursion = self._draft_prices(b)

@@ -113,6 +113,36 @@ def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_dri
     assert max(costs._recursion_draws[costs.bucket(8)]) > 20e-6  # the drifted probe's draw, outvoted
 
 
+def test_probes_past_the_modules_draw_the_recursions_price_a_b_a_and_outweigh_a_drifting_window() -> None:
+    """k = 4 over 3 modules, the fourth draft costing the host nothing beyond its tokens (2 us each). Paired probes of
+    k = 3 draw that A/B/A; a window whose k = 3 steps then ran on a 1.3x faster host than its k = 4 steps would read
+    the drift as the price (up to 4.9 us a request at T = 1, c = 256 on the H200, run 326) and is not taken over them."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    step = 0
+
+    def run(k: int, n: int, speed: float = 1.0) -> None:
+        nonlocal step
+        for _ in range(n):
+            tokens = 8 * (1 + 0.5 * k) + 4 * (step % 3)
+            costs.observe(8, k, 1e-4, host=speed * 1e-6 * 8 * (40 + 2 * tokens / 8), tokens=tokens)
+            step += 1
+
+    run(4, 64)
+    costs.host_draft_prices(8)
+    for _ in range(StepCosts.RECURSION_DRAWS):
+        costs.begin_probe(8, 4)
+        run(3, 8)
+        run(4, 40)
+        costs.host_draft_prices(8)  # a choice reads the line
+    assert costs.knows_recursion(8) and max(costs.host_draft_prices(8)) < 0.2e-6
+    for _ in range(2):
+        run(3, 32, speed=0.77)
+        run(4, 32)
+        costs.host_draft_prices(8)
+    price = costs.host_draft_prices(8)
+    assert price[4] - price[3] < 0.5e-6 and price[3] < 0.2e-6
+
+
 def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_recursion_s() -> None:
     """Host per request 60 us + 2 us a token + 5 us a draft below the 3 modules + 10 us a draft past them: k = 3
     and 4 draw the recursion's 10 us; then k = 2, 3 and 4 draw the 5 us of a draft below the modules, the
