@@ -4,7 +4,8 @@
 records in one list, each with the variant and round it belongs to and the time:
   * every sample: batch, k, lap, host and device seconds, tokens, and the engine's steps and admissions so far;
   * every choice: the gains, base, floor and cost row it priced, the host line it read, and the k it kept or took;
-  * every probe of k - 1 below the modules (StepCosts.begin_probe), which a replay starts where the engine did;
+  * every probe of k - 1 (StepCosts.begin_probe; past the modules too since session AL), which a replay starts
+    where the engine did;
   * each cost model's state when wrapped (pickled).
 `--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON. A GPU run's stream can then be priced
 again on the CPU by another cost model and set against the fixed-k cells of the same rounds (replay_costs.py), or

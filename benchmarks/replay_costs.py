@@ -102,7 +102,7 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
         if r["kind"] == "sample":
             costs.observe(r["batch"], r["k"], r["device"], r["host"], r["overlapped"], r["tokens"], r["greedy"],
                           r["lap"])
-        elif r["kind"] == "probe":  # recorded since session AH: older dumps replay without the probes' draws
+        elif r["kind"] == "probe":  # since session AH (past the modules since AL): older dumps replay without them
             costs.begin_probe(r["batch"], r["k"])
         elif r["kind"] == "choice" and (r["batch"] == c if at is None else at(r["batch"])):
             tokens = list(accumulate(r["gains"], initial=r["base"]))

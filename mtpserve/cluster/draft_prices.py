@@ -67,7 +67,7 @@ class DraftPriceDraws:
         speed = plain_median(host_fits.speeds(around, self._bases[b], slope, price)) if self._fitted_at[b] else 1.0
         drawn = drawn / speed if speed > 0 else drawn
         if probe.k > self.modules:  # k - 1 still runs every module: the draft it left out reruns the last one
-            self._recursion_paired[b] = True
+            self._recursion_paired[b] = True  # windows draw no more; theirs leave as the probes' draws replace them
             self._draw_recursion(b, drawn, -1)
             return
         self._draft_draws[b].append(drawn)

@@ -172,7 +172,7 @@ class AdaptiveSpec:
             spent = time.perf_counter() - t0
             self._spent += spent
             if changed or self._probed_from >= 0:
-                drawing = k == self._probed_from - 1 and self._probed_from <= self._modules  # see draw_dwell
+                drawing = k == self._probed_from - 1  # see draw_dwell
                 self.dwell = self.config.draw_dwell if drawing else self.config.min_dwell
             else:
                 self.dwell = self._dwell(spent + self._prepared_seconds, float(costs[k]))

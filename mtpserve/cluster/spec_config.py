@@ -52,11 +52,13 @@ class AdaptiveConfig:
     # k = 4 where its own prices put k = 3 4.3 % ahead, 0.932 of fixed k = 3.
     free_hysteresis: float = 0.01
     min_dwell: int = 8  # steps between two choices (noisy estimates must not flap; a choice costs host time)
-    # A probe of k - 1 below the modules lasts this many steps: the host's price of a draft it draws stands for the
+    # A probe of k - 1 lasts this many steps: the host's price of a draft it draws below the modules stands for the
     # rest of the run once StepCosts.DRAFT_DRAWS probes drew it, and about half of a probe's steps are timed. Of
     # min_dwell (3 or 4 timed) the five draws at T = 1, c = 8 on the H200 read 0, 4.6, 7.2, 0 and 9.7 us a request,
     # where auto's own k = 2 and 3 differed by about 8 beyond their tokens, and k = 2 was priced 3-6 % dear from k = 3
-    # (run 307). Each probe costs one catch-up whatever its length.
+    # (run 307). Each probe below the modules costs one catch-up whatever its length. Past them (drawn A/B/A since
+    # session AL) probes of min_dwell drew nothing in 11 of 20 and 7 of 10 complete ones (too few timed steps; runs
+    # 327 and 331 replayed).
     draw_dwell: int = 24
     max_dwell: int = 128  # the dwell doubles, up to this, while the choice holds
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the

@@ -5,7 +5,9 @@ lines as least-squares fits; a lap priced as the mean of the longer of host and 
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -113,34 +115,47 @@ def test_a_draft_past_the_modules_is_priced_by_three_probes_not_one_the_host_dri
     assert max(costs._recursion_draws[costs.bucket(8)]) > 20e-6  # the drifted probe's draw, outvoted
 
 
-def test_probes_past_the_modules_draw_the_recursions_price_a_b_a_and_outweigh_a_drifting_window() -> None:
-    """k = 4 over 3 modules, the fourth draft costing the host nothing beyond its tokens (2 us each). Paired probes of
-    k = 3 draw that A/B/A; a window whose k = 3 steps then ran on a 1.3x faster host than its k = 4 steps would read
-    the drift as the price (up to 4.9 us a request at T = 1, c = 256 on the H200, run 326) and is not taken over them."""
-    costs = StepCosts(max_k=4, max_rows=8, modules=3)
-    step = 0
+def _steps_at(costs: StepCosts, level_us: float, draft_us: float) -> Callable[..., None]:
+    """run(k, n, speed=1.0): n host samples of 8 requests at k, each (level_us + 2 a token + draft_us a draft) us a
+    request at the host's speed, the tokens a request emits varying within each k as acceptance does."""
+    steps = itertools.count()
 
     def run(k: int, n: int, speed: float = 1.0) -> None:
-        nonlocal step
-        for _ in range(n):
+        for step in itertools.islice(steps, n):
             tokens = 8 * (1 + 0.5 * k) + 4 * (step % 3)
-            costs.observe(8, k, 1e-4, host=speed * 1e-6 * 8 * (40 + 2 * tokens / 8), tokens=tokens)
-            step += 1
+            costs.observe(8, k, 1e-4, host=speed * 1e-6 * 8 * (level_us + 2 * tokens / 8 + draft_us * k), tokens=tokens)
 
-    run(4, 64)
-    costs.host_draft_prices(8)
-    for _ in range(StepCosts.RECURSION_DRAWS):
+    return run
+
+
+def test_probes_past_the_modules_draw_the_recursions_price_a_b_a_and_outweigh_a_drifting_window() -> None:
+    """k = 4 over 3 modules, the fourth draft costing the host nothing beyond its tokens (2 us each). Windows whose
+    k = 3 steps ran on a 1.3x faster host than their k = 4 steps read the drift as the price (up to 4.9 us a request
+    at T = 1, c = 256 on the H200, run 326); two paired probes of k = 3 (A/B/A) outvote those draws, and windows
+    draw it no more."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    run = _steps_at(costs, level_us=40.0, draft_us=0.0)
+
+    def drifted_windows() -> None:
+        for _ in range(StepCosts.RECURSION_DRAWS):
+            run(3, 32, speed=0.77)
+            run(4, 32)
+            costs.host_draft_prices(8)  # a choice reads (and fits) the line
+
+    def recursion() -> float:
+        price = costs.host_draft_prices(8)
+        return price[4] - price[3]
+
+    drifted_windows()
+    assert costs.knows_recursion(8) and recursion() > 5e-6  # the drift, read as the fourth draft's price
+    for _ in range(2):
         costs.begin_probe(8, 4)
         run(3, 8)
         run(4, 40)
-        costs.host_draft_prices(8)  # a choice reads the line
-    assert costs.knows_recursion(8) and max(costs.host_draft_prices(8)) < 0.2e-6
-    for _ in range(2):
-        run(3, 32, speed=0.77)
-        run(4, 32)
         costs.host_draft_prices(8)
-    price = costs.host_draft_prices(8)
-    assert price[4] - price[3] < 0.5e-6 and price[3] < 0.2e-6
+    assert recursion() < 0.5e-6
+    drifted_windows()
+    assert recursion() < 0.5e-6
 
 
 def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_recursion_s() -> None:
@@ -241,14 +256,7 @@ def test_a_probe_below_the_modules_draws_a_drafts_price_from_its_neighbours_not_
     k = 3 draws the 6 us A/B/A (paired_probe.py); a later window whose k = 2 steps ran on a 1.3x slower host
     than its k = 3 steps (auto's choices follow such changes) would draw 0, and is not taken over the probe's."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
-    step = 0
-
-    def run(k: int, n: int, speed: float = 1.0) -> None:
-        nonlocal step
-        for _ in range(n):
-            tokens = 8 * (1 + 0.5 * k) + 4 * (step % 3)
-            costs.observe(8, k, 1e-4, host=speed * 1e-6 * 8 * (20 + 2 * tokens / 8 + 6 * k), tokens=tokens)
-            step += 1
+    run = _steps_at(costs, level_us=20.0, draft_us=6.0)
 
     run(3, 64)
     costs.host_draft_prices(8)  # a choice reads (and fits) the line

@@ -114,21 +114,31 @@ def test_token_budget_and_sequence_cap_hold_every_step(worded: Path) -> None:
     assert engine.blocks.all_free
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_a_requests_kv_groups_gain_blocks_together(worded: Path, k: int) -> None:
     """At k = 3 over 2 modules the second module's group writes a position past the target's end; every group is
     grown as far as it, so the groups cross block boundaries in the same step: one allocation (and one block-table
-    diff per group on the workers) per block, not one per group boundary."""
+    diff per group on the workers) per block, not one per group boundary (k = 3 failed before). A group the chain
+    does not reach (the second module's at k = 1) gets no block."""
     engine = LLMEngine(EngineConfig(model=str(worded), num_speculative_tokens=k, block_size=4))
     for i, p in enumerate(prompts_of(97, [7, 13, 4], seed=5)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    steps = 0
+    used, steps = min(k, 2) + 1, 0
     while engine.has_unfinished_requests():
         steps += 1
         engine.step()
         lengths = [[len(t) for t in tables] for tables in engine.blocks.tables.values()]
-        assert all(len(set(per_group)) == 1 for per_group in lengths), (steps, lengths)
+        assert all(len(set(per_group[:used])) == 1 and not any(per_group[used:]) for per_group in lengths), lengths
     assert steps > 10 and engine.blocks.all_free
+
+
+def test_a_model_without_mtp_modules_serves_without_speculation(tmp_path: Path) -> None:
+    """No MTP module: no group but the target's, and a step's blocks reach the target's end (a review found the
+    furthest group's reach taken over no groups at all)."""
+    path = make_hf_checkpoint(tmp_path / "plain", vocab_size=97, num_mtp=0, seed=4)
+    out = LLM(str(path), num_speculative_tokens=0, block_size=4).generate(
+        prompts_of(97, [6, 11], seed=1), SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [9, 9]
 
 
 def test_logprobs_are_the_models_and_do_not_depend_on_speculation(worded: Path) -> None:
