@@ -15,6 +15,7 @@ A replay sees the samples auto's choices produced; a variant that would have cho
 others. So it measures pricing, not the closed loop: what it finds is then run on the GPU. --below-full looks at
 auto's choices below the full batch instead (ramps, wave changes, drains): how many rows priced k = 1-3 alike and
 which k each row picks, the engine's and the replay's (session AK: a price borrowed from another bucket, tried so).
+At the full batch it also counts each row's picks among every k, those no fixed cell ran included (session AL).
 """
 
 from __future__ import annotations
@@ -110,14 +111,15 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
     return out
 
 
-def compare(records: list[Record], c: int, what_if: Callable[[StepCosts], None]
+def compare(records: list[Record], c: int, what_if: Callable[[StepCosts], None],
+            rows: list[tuple[Record, list[float]]] | None = None
             ) -> tuple[int, list[int], dict[str, dict[int, list[float]]], dict[str, list[float]]]:
     """(full choices, the fixed k's, per k the ratios "engine" and "replay" (priced / real mean lap) and "tokens"
     (expected / real), per row the real rate of its pick over the round's best) over the choices whose round ran
-    every fixed k."""
+    every fixed k. rows: replay()'s at the full batch, where already replayed."""
     real = real_cells(records, c)
     ks = sorted({k for _, k in real})
-    rows = replay(records, f"k=auto c={c}", c, what_if)
+    rows = replay(records, f"k=auto c={c}", c, what_if) if rows is None else rows
     ratios: dict[str, dict[int, list[float]]] = {name: defaultdict(list) for name in ("engine", "replay", "tokens")}
     picks: dict[str, list[float]] = {"engine": [], "replay": []}
     for choice, replayed in rows:
@@ -136,8 +138,20 @@ def compare(records: list[Record], c: int, what_if: Callable[[StepCosts], None]
     return len(rows), ks, ratios, picks
 
 
+def picked(rows: list[tuple[Record, list[float]]]) -> dict[str, Counter]:
+    """Per row ("engine", "replay"), how often its rate picks each k over the given choices, every k counted (those
+    no fixed cell ran among them): where a replayed model moves choices that compare() cannot rate."""
+    out: dict[str, Counter] = {"engine": Counter(), "replay": Counter()}
+    for choice, replayed in rows:
+        tokens = list(accumulate(choice["gains"], initial=choice["base"]))
+        for label, row in (("engine", choice["cost"]), ("replay", replayed)):
+            out[label][max(range(len(row)), key=lambda k: tokens[k] / row[k])] += 1
+    return out
+
+
 def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCosts], None]) -> None:
-    choices, ks, ratios, picks = compare(records, c, what_if)
+    rows = replay(records, f"k=auto c={c}", c, what_if)
+    choices, ks, ratios, picks = compare(records, c, what_if, rows)
     print(f"c={c}, {name}: {choices} full choices; per k, priced / real mean lap and expected / real tokens a "
           "step (medians over choices)")
     for k in ks:
@@ -148,6 +162,8 @@ def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCost
         if got:
             print(f"  {label}'s picks among k={ks}: real rate / best {statistics.mean(got):.3f} (mean), "
                   f"best picked in {sum(g == 1.0 for g in got)} of {len(got)}")
+    for label, counts in picked(rows).items():
+        print(f"  {label}'s picks among every k: {dict(sorted(counts.items()))}")
 
 
 def below_full(records: list[Record], c: int, what_if: Callable[[StepCosts], None]
@@ -157,13 +173,10 @@ def below_full(records: list[Record], c: int, what_if: Callable[[StepCosts], Non
     of a draft drawn there, session AK), and the k each row's rate picks)."""
     rows = replay(records, f"k=auto c={c}", c, what_if, at=lambda b: c // 8 <= b < c)
     flat = {"engine": 0, "replay": 0}
-    picks: dict[str, Counter] = {"engine": Counter(), "replay": Counter()}
     for choice, replayed in rows:
-        tokens = list(accumulate(choice["gains"], initial=choice["base"]))
         for label, row in (("engine", choice["cost"]), ("replay", replayed)):
             flat[label] += len(row) > 3 and abs(row[3] - row[1]) < 1e-3 * row[1]
-            picks[label][max(range(len(row)), key=lambda k: tokens[k] / row[k])] += 1
-    return len(rows), flat, picks
+    return len(rows), flat, picked(rows)
 
 
 def report_below_full(records: list[Record], c: int, name: str, what_if: Callable[[StepCosts], None]) -> None:

@@ -112,6 +112,10 @@ def test_compare_sets_each_choice_against_its_rounds_fixed_cells() -> None:
     assert ratios["engine"][1] == [pytest.approx(0.5)] and ratios["engine"][2] == [pytest.approx(3.0)]
     assert ratios["tokens"][1] == [pytest.approx(1.0)] and ratios["tokens"][2] == [pytest.approx(1.0)]
     assert picks["engine"] == [pytest.approx((6 / 2) / (9 / 1))]
+    # Among every k the engine's row picks k = 0 (4 tokens in 0.5 ms), which no fixed cell ran, so compare() cannot
+    # rate that pick; picked() counts it.
+    rows = replay_costs.replay([state, *fixed, choice], "k=auto c=4", 4, lambda costs: None)
+    assert replay_costs.picked(rows)["engine"] == {0: 1}
 
 
 def test_a_model_pickled_before_a_field_was_added_replays_with_the_field_as_it_starts() -> None:
