@@ -15,7 +15,8 @@ A replay sees the samples auto's choices produced; a variant that would have cho
 others. So it measures pricing, not the closed loop: what it finds is then run on the GPU. --below-full looks at
 auto's choices below the full batch instead (ramps, wave changes, drains): how many rows priced k = 1-3 alike and
 which k each row picks, the engine's and the replay's (session AK: a price borrowed from another bucket, tried so).
-At the full batch it also counts each row's picks among every k, those no fixed cell ran included (session AL).
+At the full batch it also counts each row's picks among every k, those no fixed cell ran included, and rates them by
+every variant's steps in the round, auto's own too (session AL: how it compared cost models over its dumps).
 """
 
 from __future__ import annotations
@@ -85,6 +86,33 @@ def real_cells(records: list[Record], c: int) -> dict[tuple[int, int], tuple[flo
         if r["kind"] == "sample" and "auto" not in r["variant"] and r["batch"] == c and r["lap"] > 0:
             laps[(r["round"], r["k"])].append((r["lap"], r["tokens"]))
     return {key: (statistics.mean(x for x, _ in v), statistics.mean(t for _, t in v)) for key, v in laps.items()}
+
+
+def step_rates(records: list[Record], c: int, least: int = 8) -> dict[tuple[int, int], float]:
+    """(round, k) -> tokens a second of every variant's full-batch steps at k in that round, auto's own among them
+    (at least `least` steps): a rate for the k's no fixed cell ran, where auto ran them. Auto's steps at a k ran at
+    other moments than its other k's, so a round's rates hold the host's drift; over many choices it averages out."""
+    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in records:
+        if r["kind"] == "sample" and r["batch"] == c and r["lap"] > 0:
+            cell = sums[(r["round"], r["k"])]
+            cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + r["tokens"], cell[2] + r["lap"]
+    return {key: tokens / lap for key, (n, tokens, lap) in sums.items() if n >= least}
+
+
+def rated_picks(rows: list[tuple[Record, list[float]]], rates: dict[tuple[int, int], float]) -> dict[str, list[float]]:
+    """Per row ("engine", "replay"), each choice's pick among the k's its round rated (step_rates), as a share of the
+    best of them; choices whose round rated fewer than two k's are left out."""
+    out: dict[str, list[float]] = {"engine": [], "replay": []}
+    for choice, replayed in rows:
+        rated = {k: rate for (round_, k), rate in rates.items() if round_ == choice["round"]}
+        if len(rated) < 2:
+            continue
+        tokens = list(accumulate(choice["gains"], initial=choice["base"]))
+        for label, row in (("engine", choice["cost"]), ("replay", replayed)):
+            pick = max(rated, key=lambda k: tokens[k] / row[k])
+            out[label].append(rated[pick] / max(rated.values()))
+    return out
 
 
 def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepCosts], None],
@@ -164,6 +192,10 @@ def report(records: list[Record], c: int, name: str, what_if: Callable[[StepCost
                   f"best picked in {sum(g == 1.0 for g in got)} of {len(got)}")
     for label, counts in picked(rows).items():
         print(f"  {label}'s picks among every k: {dict(sorted(counts.items()))}")
+    for label, got in rated_picks(rows, step_rates(records, c)).items():
+        if got:
+            print(f"  {label}'s picks rated by every variant's steps (auto's too): real rate / best "
+                  f"{statistics.mean(got):.4f} (mean of {len(got)})")
 
 
 def below_full(records: list[Record], c: int, what_if: Callable[[StepCosts], None]

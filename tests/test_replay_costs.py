@@ -118,6 +118,20 @@ def test_compare_sets_each_choice_against_its_rounds_fixed_cells() -> None:
     assert replay_costs.picked(rows)["engine"] == {0: 1}
 
 
+def test_picks_are_rated_by_every_variants_steps_auto_s_own_among_them() -> None:
+    """Round 0: fixed k = 2 ran 8 full-batch steps at 9 tokens a ms; auto ran k = 1 for 8 at 6 tokens a ms and k = 0
+    for 3 (too few to rate). A choice that picks k = 1 makes 6 / 9 of the best rated rate; one in round 1, which
+    rated nothing, is left out."""
+    samples = [_sample("k=2 c=4", 0, 2, 1e-3, 0.5e-3, 9.0)] * 8 + [_sample("k=auto c=4", 0, 1, 1e-3, 0.5e-3, 6.0)] * 8
+    samples += [_sample("k=auto c=4", 0, 0, 1e-3, 0.5e-3, 8.0)] * 3
+    rates = replay_costs.step_rates(samples, 4)
+    assert rates == {(0, 2): pytest.approx(9e3), (0, 1): pytest.approx(6e3)}
+    choice = {"round": 0, "gains": [2.0, 3.0], "base": 4.0, "cost": [0.5e-3, 1e-3, 3e-3]}  # picks k = 1 of 1, 2
+    later = {**choice, "round": 1}
+    got = replay_costs.rated_picks([(choice, [1.0, 1.0, 0.1]), (later, [1.0, 1.0, 1.0])], rates)
+    assert got == {"engine": [pytest.approx(6 / 9)], "replay": [pytest.approx(1.0)]}
+
+
 def test_a_model_pickled_before_a_field_was_added_replays_with_the_field_as_it_starts() -> None:
     older = StepCosts(max_k=2, max_rows=4, modules=1)
     del older.__dict__["_draft_draws"], older.__dict__["_probes"]  # as a run before session AG pickled it
