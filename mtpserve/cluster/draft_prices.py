@@ -68,7 +68,7 @@ class DraftPriceDraws:
         drawn = drawn / speed if speed > 0 else drawn
         if probe.k > self.modules:  # k - 1 still runs every module: the draft it left out reruns the last one
             self._recursion_paired[b] = True  # windows draw no more; theirs leave as the probes' draws replace them
-            self._draw_recursion(b, drawn, -1)
+            self._draw_recursion(b, drawn, None)
             return
         self._draft_draws[b].append(drawn)
         self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
@@ -81,13 +81,13 @@ class DraftPriceDraws:
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         return per_draft, per_draft if recursion is None else recursion
 
-    def _draw_recursion(self, b: int, drawn: float, probed: int) -> None:
-        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed` (-1: a
+    def _draw_recursion(self, b: int, drawn: float, probed: int | None) -> None:
+        """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed` (None: a
         paired probe drew it, each one a draw of its own): a new draw where that k was sampled since the last draw's
         probe, else the last draw refined; settled (see host_recursion_slopes) at the lower median of the last
         RECURSION_DRAWS."""
-        draws, probe = self._recursion_draws[b], self.k_seen[b][probed] if probed >= 0 else -1
-        if draws and probe >= 0 and self._recursion_probe[b] == probe:
+        draws, probe = self._recursion_draws[b], -1 if probed is None else self.k_seen[b][probed]
+        if draws and probed is not None and self._recursion_probe[b] == probe:
             draws[-1] = drawn
         else:
             draws.append(drawn)

@@ -292,7 +292,7 @@ class Scheduler:
         # used is grown as far as the one that writes furthest, so that all cross block boundaries together: one
         # allocation per block instead of one per group boundary (at k = 4 over 3 modules they were staggered by one
         # position, and a capped request allocated 40 % more often than at k = 3 on the host).
-        reach = end + max(0, max(extras, default=0)) if final else end
+        reach = end + max((0, *extras)) if final else end
         return [reach] + [reach if e >= 0 else 0 for e in extras]
 
     def _groups(self, req: Request) -> tuple[int, ...]:
