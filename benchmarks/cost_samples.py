@@ -6,6 +6,7 @@ records in one list, each with the variant and round it belongs to and the time:
   * every choice: the gains, base, floor and cost row it priced, the host line it read, and the k it kept or took;
   * every probe of k - 1 (StepCosts.begin_probe; past the modules too since session AL), which a replay starts
     where the engine did;
+  * every draw of the host's price of a token within steps (TokenPrice.add_draw, since session AM);
   * each cost model's state when wrapped (pickled).
 `--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON. A GPU run's stream can then be priced
 again on the CPU by another cost model and set against the fixed-k cells of the same rounds (replay_costs.py), or
@@ -69,8 +70,15 @@ class SampleLog:
             self._add("probe", batch=batch, k=k)
             begin_probe(batch, k)
 
+        add_draw = costs.tokens.add_draw
+
+        def token_drawn(drawn: float) -> None:  # a draw of the host's price of a token within steps (replayed)
+            self._add("token_price", drawn=drawn)
+            add_draw(drawn)
+
         costs.observe = traced
         costs.begin_probe = probed
+        costs.tokens.add_draw = token_drawn
         engine.adaptive.admit = counted
 
     def _traced_choose(self, gains: list[float], base: float, floor: int, cost: Any, current: int, *rest: Any) -> int:

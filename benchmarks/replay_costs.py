@@ -66,8 +66,25 @@ def draft_prior(share: float) -> Callable[[StepCosts], None]:
     return patch
 
 
+def token_price(us: float) -> Callable[[StepCosts], None]:
+    """What-if: the host's price of a token fixed at `us` microseconds a request, as if drawn within steps before the
+    replay starts (dumps from before session AM hold no such draws)."""
+    def patch(costs: StepCosts) -> None:
+        costs.tokens.add_draw(us * 1e-6)
+        costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
+    return patch
+
+
+def window_tokens(costs: StepCosts) -> None:
+    """What-if: the token's price drawn across steps, from each bucket's window, as before session AM."""
+    costs.tokens.price = None
+    costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
+
+
 VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None, "no-spread": no_spread,
-                                                    **{f"draft-{s}": draft_prior(s) for s in (0.04, 0.08, 0.12)}}
+                                                    "window-tokens": window_tokens,
+                                                    **{f"draft-{s}": draft_prior(s) for s in (0.04, 0.08, 0.12)},
+                                                    **{f"token-{us}": token_price(us) for us in (0, 0.3, 1, 3)}}
 
 
 def upgraded(costs: StepCosts) -> StepCosts:
@@ -133,6 +150,8 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
                           r["lap"])
         elif r["kind"] == "probe":  # since session AH (past the modules since AL): older dumps replay without them
             costs.begin_probe(r["batch"], r["k"])
+        elif r["kind"] == "token_price":  # since session AM
+            costs.tokens.add_draw(r["drawn"])
         elif r["kind"] == "choice" and (r["batch"] == c if at is None else at(r["batch"])):
             tokens = list(accumulate(r["gains"], initial=r["base"]))
             out.append((r, costs.costs(r["batch"], tokens, greedy=greedy).tolist()))

@@ -167,6 +167,25 @@ def test_a_recorded_probe_starts_in_the_replay_where_the_engine_started_it() -> 
     assert list(replayed[0]._draft_draws[direct.bucket(4)]) == list(drawn)
 
 
+def test_a_recorded_token_price_draw_reaches_the_replay_where_the_engine_drew_it() -> None:
+    """Since session AM the host's price of a token is drawn within steps (token_price.py), which the samples do not
+    hold: the dump records each draw, and the replayed line takes it as its slope from that point on."""
+    start = StepCosts(max_k=2, max_rows=4, modules=2)
+    state = {"kind": "state", "variant": "k=auto c=4", "costs": base64.b64encode(pickle.dumps(start)).decode()}
+    drawn = {"kind": "token_price", "variant": "k=auto c=4", "round": 0, "t": 0.0, "drawn": 0.7e-6}
+    samples = [_sample("k=auto c=4", 0, k, 1e-3, (0.6 + 0.1 * k) * 1e-3, 4.0 + 3 * k) for k in (1, 2) * 8]
+    replayed: list[StepCosts] = []
+    replay_costs.replay([state, *samples[:8], drawn, *samples[8:]], "k=auto c=4", 4, replayed.append)
+    model = replayed[0]
+    assert model.tokens.price == 0.7e-6
+    model.refit(4)
+    assert model.host_slopes[model.bucket(4)] == 0.7e-6
+    window = StepCosts(max_k=2, max_rows=4, modules=2)
+    replay_costs.window_tokens(window)
+    window.tokens.add_draw(0.7e-6)  # a recorded draw, ignored in that what-if
+    assert window.tokens.price is None
+
+
 def test_below_full_counts_flat_rows_and_picks_at_the_batches_no_fixed_cell_measures() -> None:
     """A choice at batch 4 of c = 8 whose row priced k = 0-3 alike (no host price of a draft drawn there) picks the
     most drafts it priced alike; one at the full batch, or below c/8, is not counted."""

@@ -221,15 +221,13 @@ class LLMEngine:
                      steady: bool = True) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         logprobs = dict(zip(result.req_ids, result.logprobs or [None] * len(result.req_ids)))
-        advanced = self.scheduler.update(plan, result)
+        adaptive = self.adaptive  # a step the token price asks for is timed request by request (token_price.py)
+        timed = adaptive is not None and adaptive.config.token_price_within_steps and adaptive.costs.tokens.due()
+        clock: list[float] | None = [] if timed else None
+        advanced = self.scheduler.update(plan, result, clock)
         step_spec = SpecCounters()
         step_spec.record([d for _, _, d, _ in advanced], [a for _, _, _, a in advanced])
-        for req, tokens, _, _ in advanced:
-            out = self.outputs.process(req, tokens, logprobs[req.request_id])
-            if req.finish_reason:
-                self.scheduler.finish(req, req.finish_reason)
-                out = self.outputs.finish(req)
-            outputs.append(out)
+        self._emit(advanced, logprobs, outputs, clock)
         self.spec.add(step_spec)
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_usage, stats.batch_size = self.blocks.usage(), len(plan.req_ids)
@@ -239,6 +237,24 @@ class LLMEngine:
         self._learn_cost(plan, result, stats, steady)
         self.last_stats = stats
         return outputs
+
+    def _emit(self, advanced: list[tuple[Request, list[int], int, int]], logprobs: dict[str, Any],
+              outputs: list[RequestOutput], clock: list[float] | None) -> None:
+        """Each advanced request's output appended to `outputs` (finished ones finalised). clock: the scheduler's
+        update timed request by request (None: this step is not timed); the output path is timed alike, and each
+        request's two shares go to the token price against the tokens it kept."""
+        marks = [time.perf_counter()] if clock is not None else None
+        for req, tokens, _, _ in advanced:
+            out = self.outputs.process(req, tokens, logprobs[req.request_id])
+            if req.finish_reason:
+                self.scheduler.finish(req, req.finish_reason)
+                out = self.outputs.finish(req)
+            outputs.append(out)
+            if marks is not None:
+                marks.append(time.perf_counter())
+        if clock is not None and marks is not None:
+            spent = [u1 - u0 + e1 - e0 for u0, u1, e0, e1 in zip(clock, clock[1:], marks, marks[1:])]
+            self.adaptive.costs.tokens.add([len(t) for _, t, _, _ in advanced], spent)
 
     def _learn_cost(self, plan: StepPlan, result: StepResult, stats: StepStats, steady: bool) -> None:
         """Feed the step-cost model (design §9) and report the chosen k. A step's lap is the time since the

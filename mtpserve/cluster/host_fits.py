@@ -63,13 +63,14 @@ def host_slope(seconds: Sequence[float], tokens: Sequence[float], median: float)
     return None if mean_y - slope * mean_x < 0 else slope
 
 
-def host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence[int], median: float, kept: float
-                 ) -> tuple[float | None, float | None]:
+def host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence[int], median: float, kept: float,
+                token_price: float | None = None) -> tuple[float | None, float | None]:
     """(b, c) of host seconds = a + b * tokens + c * k per request, each None where the window cannot draw it.
-    One k in the window (or too few samples of a second): b as host_slope draws it, c None. Two or more:
-    c by least squares on what the tokens leave (b from the samples within each k where they vary, else
-    the slope kept from before), 0 where the fit slopes down; both None where the line would cross zero
-    before zero tokens and drafts (the host sped up or slowed down between the k's in the window)."""
+    b is `token_price` where one was drawn within steps (token_price.py), else drawn here. One k in the window
+    (or too few samples of a second): b as host_slope draws it, c None. Two or more: c by least squares on what
+    the tokens leave (b from the samples within each k where they vary, else the slope kept from before), 0 where
+    the fit slopes down; c None (and b too where drawn here) where the line would cross zero before zero tokens
+    and drafts (the host sped up or slowed down between the k's in the window)."""
     samples = [(x, y, k) for x, y, k in zip(tokens, seconds, ks) if y <= 2.0 * median]
     width = max(ks, default=0) + 1  # k's index plain lists: Counters made most of a refit's time
     count, sum_x, sum_y = [0] * width, [0.0] * width, [0.0] * width
@@ -78,15 +79,22 @@ def host_slopes(seconds: Sequence[float], tokens: Sequence[float], ks: Sequence[
         sum_x[k] += x
         sum_y[k] += y
     if sum(n >= 4 for n in count) < 2:
-        return host_slope(seconds, tokens, median), None
-    # Within each k, tokens vary with acceptance alone: their slope there is the tokens' own price.
-    inside = [(x - sum_x[k] / count[k], y - sum_y[k] / count[k]) for x, y, k in samples]
-    xx, mean_x = sum(x * x for x, _ in inside), sum(sum_x) / len(samples)
-    b = max(sum(x * y for x, y in inside) / xx, 0.0) if xx >= len(samples) * (0.05 * max(mean_x, 1e-9)) ** 2 else kept
+        return (host_slope(seconds, tokens, median) if token_price is None else token_price), None
+    b = _inside_slope(samples, count, sum_x, sum_y, kept) if token_price is None else token_price
     rest = [(y - b * x, k) for x, y, k in samples]
     mean_rest, mean_k = sum(r for r, _ in rest) / len(rest), sum(k for _, k in rest) / len(rest)
     c = max(sum((k - mean_k) * (r - mean_rest) for r, k in rest) / sum((k - mean_k) ** 2 for _, k in rest), 0.0)
-    return (None, None) if mean_rest - c * mean_k < 0 else (b, c)
+    if mean_rest - c * mean_k < 0:
+        return (None if token_price is None else b), None
+    return b, c
+
+
+def _inside_slope(samples: list[tuple[float, float, int]], count: list[int], sum_x: list[float], sum_y: list[float],
+                  kept: float) -> float:
+    """b from the samples within each k (tokens vary there with acceptance alone), `kept` where they hardly vary."""
+    inside = [(x - sum_x[k] / count[k], y - sum_y[k] / count[k]) for x, y, k in samples]
+    xx, mean_x = sum(x * x for x, _ in inside), sum(sum_x) / len(samples)
+    return max(sum(x * y for x, y in inside) / xx, 0.0) if xx >= len(samples) * (0.05 * max(mean_x, 1e-9)) ** 2 else kept
 
 
 def within_host(slope: float, per_draft: float, recursion: float, newest: list[tuple[float, float, int]],

@@ -197,10 +197,12 @@ class Scheduler:
         self.num_steps += 1
         return plan
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], int, int]]:
+    def update(self, plan: StepPlan, result: StepResult, clock: list[float] | None = None
+               ) -> list[tuple[Request, list[int], int, int]]:
         """Advance the scheduled requests; returns (request, newly kept tokens, drafts verified, of them
         accepted) for those that sampled. Requests that finished or were aborted since the plan was made are
-        skipped."""
+        skipped. clock: the time is appended to it before the first request that sampled and after each one
+        (the host's price of a token, token_price.py)."""
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
             req = self.requests.get(req_id)
             if req is not None:
@@ -210,6 +212,8 @@ class Scheduler:
         drafts = dict(zip(plan.req_ids, plan.num_drafts))
         made = dict(zip(plan.req_ids, plan.num_spec))
         advanced, seen = [], []
+        if clock is not None:
+            clock.append(time.perf_counter())
         for req_id, tokens, accepted in zip(result.req_ids, result.token_ids, result.num_accepted):
             req = self.requests.get(req_id)
             if req is None or req.status != Status.RUNNING:
@@ -233,6 +237,8 @@ class Scheduler:
             self._offer(req)
             if req.finish_reason:
                 self.finish(req, req.finish_reason)
+            if clock is not None:
+                clock.append(time.perf_counter())
         if self.adaptive is not None:
             self.adaptive.acceptance.observe_step(seen)
         return advanced
