@@ -18,7 +18,9 @@ class DraftPriceDraws:
     model, benchmarks/cost_samples.py, keeps it there): host_draft_slopes, host_recursion_slopes, _draft_draws,
     _recursion_draws, _recursion_probe, _recursion_paired and _probes, beside the host line's own."""
 
-    RECURSION_DRAWS = 3  # probes behind the host's price of a draft past the modules (see host_recursion_slopes)
+    # Probes behind the host's price of a draft past the modules (see host_recursion_slopes): at greedy c = 256 on the
+    # H200 three drew 4.39, 3.99 and 0 us a request, where the fixed cells' steps put it at about 2 (run 332).
+    RECURSION_DRAWS = 5
     # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
     # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
     DRAFT_DRAWS = 5

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mtpserve.cluster.acceptance import AcceptanceTable
+from mtpserve.cluster.paired_probe import SIDE
 from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster.spec_rate import choose_k
 from mtpserve.cluster.step_costs import StepCosts
@@ -345,7 +346,8 @@ class AdaptiveSpec:
         greedy (run 214), and on k = 4 where k = 1 ran 10 % faster at T = 1 (run 205).
         * Past the modules (the chain recurses on the last one) a probe leaves no module behind: probe_after apart
           once the price is settled, since each probe draws it anew, A/B/A as below them (since session AL: a window
-          of k and k - 1 read the host's drift as the price, StepCosts._recursion_paired).
+          of k and k - 1 read the host's drift as the price, StepCosts._recursion_paired), wherever SIDE samples at
+          k precede it.
         * At or below them, k - 1 leaves module k - 1 behind, and every request is caught up when k rises again
           (a general-path step): only until DRAFT_DRAWS such probes drew the price below the modules, each from
           its own steps against those at k around it (StepCosts.begin_probe), which the line then keeps. At T = 1,
@@ -362,7 +364,10 @@ class AdaptiveSpec:
         if not past and costs.knows_draft_price(batch):
             return k
         due = self.config.probe_after * self._probe_wait if past and costs.knows_recursion(batch) else costs.HOST_WINDOW
-        if costs.one_k_run(batch, k) < due or now - self._probed_down_at.get(bucket, -due) < due:
+        # Past the modules a probe is paired, A/B/A: it needs SIDE samples at k before it, not a window of k alone.
+        # Waiting for one, three early probes' price of 4 us a request (about twice the fixed cells') held auto between
+        # k = 3 and 4 at greedy c = 256, and no later probe drew it again (H200, run 332).
+        if costs.one_k_run(batch, k) < (SIDE if past else due) or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now
         costs.begin_probe(batch, k)  # drawn A/B/A from its steps and those at k around it

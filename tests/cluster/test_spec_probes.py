@@ -11,6 +11,7 @@ import numpy as np
 from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster.step_costs import StepCosts
+from mtpserve.cluster.paired_probe import SIDE
 from tests.cluster.chooser_sim import COSTS, K, spec_with
 
 
@@ -308,3 +309,23 @@ def test_no_probe_below_k_where_the_host_waits_for_the_device_at_both() -> None:
     waits for its device: at c = 1, greedy on the H200 such probes ran 3 % of auto's steps at k = 3 (run 275)."""
     assert _overlapped_run(host=250e-6)[-500:] == [K] * 500  # 0.25 ms of host under k = 3's 0.32 ms of device
     assert 3 in _overlapped_run(host=325e-6)[-500:]  # a host about as slow as the device: probed
+
+
+def test_past_the_modules_a_settled_price_is_probed_again_wherever_k_ran_a_probes_side() -> None:
+    """A probe past the modules is paired (A/B/A), so it needs SIDE samples at k before it, not a window of k alone:
+    waiting for such a window, three early draws of about twice the price held auto between k = 3 and 4 at greedy
+    c = 256 on the H200, and the price was never drawn again (run 332)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, modules=3, probe_after=64))
+    costs, b = spec.costs, spec.costs.bucket(8)
+    costs.host_recursion_slopes[b] = 4e-6  # settled by earlier probes
+    for k, n in ((3, 40), (4, SIDE - 1)):
+        for _ in range(n):
+            spec.acceptance.now += 1
+            costs.observe(8, k, 1e-4, host=8 * 30e-6, tokens=8 * (1 + 0.8 * k))
+    spec.k = 4
+    assert spec._probe_down(4, 8, floor=0) == 4  # one sample short of a probe's side at k
+    spec.acceptance.now += 1
+    costs.observe(8, 4, 1e-4, host=8 * 30e-6, tokens=8 * 4.2)
+    assert costs.one_k_run(8, 4) == SIDE < spec.config.probe_after
+    assert spec._probe_down(4, 8, floor=0) == 3
+    assert spec._probe_down(4, 8, floor=0) == 4  # the next one probe_after steps on
