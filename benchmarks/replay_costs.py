@@ -26,7 +26,7 @@ import base64
 import pickle
 import statistics
 import sys
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, Callable
@@ -70,13 +70,16 @@ def token_price(us: float) -> Callable[[StepCosts], None]:
     """What-if: the host's price of a token fixed at `us` microseconds a request, as if drawn within steps before the
     replay starts (dumps from before session AM hold no such draws)."""
     def patch(costs: StepCosts) -> None:
-        costs.tokens.add_draw(us * 1e-6)
+        costs.tokens.price = us * 1e-6  # whatever the warm-up drew before the model was pickled
         costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
     return patch
 
 
 def window_tokens(costs: StepCosts) -> None:
-    """What-if: the token's price drawn across steps, from each bucket's window, as before session AM."""
+    """What-if: the token's price drawn across steps, from each bucket's window, as before session AM (each bucket's
+    slope as a fresh model's where the warm-up's fits took the price drawn within steps)."""
+    if costs.tokens.price is not None:
+        costs.host_slopes = [0.0] * len(costs.host_slopes)
     costs.tokens.price = None
     costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
 
@@ -89,10 +92,14 @@ VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None,
 
 def upgraded(costs: StepCosts) -> StepCosts:
     """A cost model pickled by an older engine, with each field added since as a fresh model starts it (session AG
-    added the probes' draws below the modules): dumps of earlier runs replay with the model as it is now."""
+    added the probes' draws below the modules) and each bucket's deques as long as a fresh model's: dumps of earlier
+    runs replay with the model as it is now."""
     fresh = StepCosts(costs.max_k, costs._sizes[-1], costs.window, modules=costs.modules)
     for name, value in vars(fresh).items():
         costs.__dict__.setdefault(name, value)
+        old = costs.__dict__[name]
+        if isinstance(value, list) and value and isinstance(value[0], deque) and old[0].maxlen != value[0].maxlen:
+            costs.__dict__[name] = [deque(d, maxlen=value[0].maxlen) for d in old]  # e.g. 5 draws since session AM
     return costs
 
 

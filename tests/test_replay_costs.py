@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import pickle
 import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -180,10 +181,6 @@ def test_a_recorded_token_price_draw_reaches_the_replay_where_the_engine_drew_it
     assert model.tokens.price == 0.7e-6
     model.refit(4)
     assert model.host_slopes[model.bucket(4)] == 0.7e-6
-    window = StepCosts(max_k=2, max_rows=4, modules=2)
-    replay_costs.window_tokens(window)
-    window.tokens.add_draw(0.7e-6)  # a recorded draw, ignored in that what-if
-    assert window.tokens.price is None
 
 
 def test_below_full_counts_flat_rows_and_picks_at_the_batches_no_fixed_cell_measures() -> None:
@@ -206,3 +203,27 @@ def test_below_full_counts_flat_rows_and_picks_at_the_batches_no_fixed_cell_meas
     # Replayed, the device's prior prices each draft (not flat), and each choice is priced at its own batch's tokens:
     # the same row picks k = 3 for batch 4's expected tokens and k = 2 for batch 6's.
     assert flat["replay"] == 0 and picks["replay"] == {3: 1, 2: 1}
+
+
+def test_a_model_pickled_with_three_recursion_draws_replays_with_five() -> None:
+    older = StepCosts(max_k=4, max_rows=8, modules=3)
+    b = older.bucket(8)
+    older._recursion_draws = [deque(d, maxlen=3) for d in older._recursion_draws]  # as before session AM
+    older._recursion_draws[b].extend([1e-6, 2e-6])
+    restored = replay_costs.upgraded(pickle.loads(pickle.dumps(older)))
+    assert restored._recursion_draws[b].maxlen == StepCosts.RECURSION_DRAWS == 5
+    assert list(restored._recursion_draws[b]) == [1e-6, 2e-6]
+
+
+def test_the_token_price_what_ifs_override_what_the_warm_up_drew() -> None:
+    costs = StepCosts(max_k=2, max_rows=4, modules=2)
+    costs.tokens.add_draw(3e-6)  # drawn in the warm-up, before the model was pickled
+    replay_costs.VARIANTS["token-0.3"](costs)
+    costs.tokens.add_draw(5e-6)  # a recorded draw, ignored in these what-ifs
+    assert costs.tokens.price == pytest.approx(0.3e-6)
+    window = StepCosts(max_k=2, max_rows=4, modules=2)
+    window.tokens.add_draw(3e-6)
+    window.host_slopes = [3e-6] * len(window.host_slopes)  # the warm-up's fits took it
+    replay_costs.window_tokens(window)
+    window.tokens.add_draw(0.7e-6)
+    assert window.tokens.price is None and set(window.host_slopes) == {0.0}

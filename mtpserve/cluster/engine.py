@@ -22,6 +22,7 @@ from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster import warmup
 from mtpserve.cluster.stats import SpecCounters, StepStats
+from mtpserve.cluster.token_price import TokenPrice
 from mtpserve.cluster.tokenizer import Tokenizer
 from mtpserve.boundary.messages import StepPlan, StepResult
 from mtpserve.errors import InvalidRequestError, WorkerLost
@@ -221,13 +222,12 @@ class LLMEngine:
                      steady: bool = True) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         logprobs = dict(zip(result.req_ids, result.logprobs or [None] * len(result.req_ids)))
-        adaptive = self.adaptive  # a step the token price asks for is timed request by request (token_price.py)
-        timed = adaptive is not None and adaptive.config.token_price_within_steps and adaptive.costs.tokens.due()
-        clock: list[float] | None = [] if timed else None
+        price = self._token_price_timing(plan, stats)
+        clock: list[float] | None = [] if price is not None else None
         advanced = self.scheduler.update(plan, result, clock)
         step_spec = SpecCounters()
         step_spec.record([d for _, _, d, _ in advanced], [a for _, _, _, a in advanced])
-        self._emit(advanced, logprobs, outputs, clock)
+        self._emit(advanced, logprobs, outputs, clock, price)
         self.spec.add(step_spec)
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_usage, stats.batch_size = self.blocks.usage(), len(plan.req_ids)
@@ -238,11 +238,21 @@ class LLMEngine:
         self.last_stats = stats
         return outputs
 
+    def _token_price_timing(self, plan: StepPlan, stats: StepStats) -> TokenPrice | None:
+        """The token price (token_price.py) where this step's postprocessing is to be timed request by request: one
+        decode step in TokenPrice.EVERY. A request's first token (its prompt blocks offered) or a catch-up is work
+        that its tokens do not price."""
+        adaptive = self.adaptive
+        if adaptive is None or not adaptive.config.token_price_within_steps or not _decodes_only(plan, stats):
+            return None
+        return adaptive.costs.tokens if adaptive.costs.tokens.due() else None
+
     def _emit(self, advanced: list[tuple[Request, list[int], int, int]], logprobs: dict[str, Any],
-              outputs: list[RequestOutput], clock: list[float] | None) -> None:
+              outputs: list[RequestOutput], clock: list[float] | None, price: TokenPrice | None) -> None:
         """Each advanced request's output appended to `outputs` (finished ones finalised). clock: the scheduler's
         update timed request by request (None: this step is not timed); the output path is timed alike, and each
-        request's two shares go to the token price against the tokens it kept."""
+        request's two shares go to the token `price` against the tokens it kept, but for requests that finished (a
+        finish frees and offers blocks, whatever the tokens)."""
         marks = [time.perf_counter()] if clock is not None else None
         for req, tokens, _, _ in advanced:
             out = self.outputs.process(req, tokens, logprobs[req.request_id])
@@ -252,9 +262,11 @@ class LLMEngine:
             outputs.append(out)
             if marks is not None:
                 marks.append(time.perf_counter())
-        if clock is not None and marks is not None:
+        if clock is not None and marks is not None and price is not None:
             spent = [u1 - u0 + e1 - e0 for u0, u1, e0, e1 in zip(clock, clock[1:], marks, marks[1:])]
-            self.adaptive.costs.tokens.add([len(t) for _, t, _, _ in advanced], spent)
+            kept = [(len(t), x) for (req, t, _, _), x in zip(advanced, spent) if not req.finish_reason]
+            if kept:
+                price.add(*zip(*kept))
 
     def _learn_cost(self, plan: StepPlan, result: StepResult, stats: StepStats, steady: bool) -> None:
         """Feed the step-cost model (design §9) and report the chosen k. A step's lap is the time since the
@@ -266,8 +278,7 @@ class LLMEngine:
         back, host work that grows with the batch: counted as waiting, it made host-bound laps at c = 256
         look device-bound); run serially, the device's is the time inside the executor."""
         k = max(plan.num_spec, default=0)
-        decode = stats.num_prompt_tokens == 0 and not plan.new_requests and not plan.catch_up_tokens
-        seconds = self._step_clock.lap((k, decode))
+        seconds = self._step_clock.lap((k, _decodes_only(plan, stats)))
         (inside, waited), self._executor_seconds = self._executor_seconds, [0.0, 0.0]
         # A graph captured inside the lap (a shape first seen, e.g. the window after k fell) took it over.
         captures, self._captures_seen = self._captures_seen, getattr(self.executor, "num_captures", 0)
@@ -319,6 +330,11 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _decodes_only(plan: StepPlan, stats: StepStats) -> bool:
+    """Whether a step only decoded: no prompt chunk, no request new to the workers, no catch-up."""
+    return stats.num_prompt_tokens == 0 and not plan.new_requests and not plan.catch_up_tokens
 
 
 class _StepClock:

@@ -94,7 +94,8 @@ def _inside_slope(samples: list[tuple[float, float, int]], count: list[int], sum
     """b from the samples within each k (tokens vary there with acceptance alone), `kept` where they hardly vary."""
     inside = [(x - sum_x[k] / count[k], y - sum_y[k] / count[k]) for x, y, k in samples]
     xx, mean_x = sum(x * x for x, _ in inside), sum(sum_x) / len(samples)
-    return max(sum(x * y for x, y in inside) / xx, 0.0) if xx >= len(samples) * (0.05 * max(mean_x, 1e-9)) ** 2 else kept
+    varied = xx >= len(samples) * (0.05 * max(mean_x, 1e-9)) ** 2
+    return max(sum(x * y for x, y in inside) / xx, 0.0) if varied else kept
 
 
 def within_host(slope: float, per_draft: float, recursion: float, newest: list[tuple[float, float, int]],

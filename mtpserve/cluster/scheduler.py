@@ -201,8 +201,8 @@ class Scheduler:
                ) -> list[tuple[Request, list[int], int, int]]:
         """Advance the scheduled requests; returns (request, newly kept tokens, drafts verified, of them
         accepted) for those that sampled. Requests that finished or were aborted since the plan was made are
-        skipped. clock: the time is appended to it before the first request that sampled and after each one
-        (the host's price of a token, token_price.py)."""
+        skipped. clock: the time is appended to it before the first request and after each one returned (the host's
+        price of a token, token_price.py); a request skipped or resumed adds no share of its own."""
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
             req = self.requests.get(req_id)
             if req is not None:
@@ -217,12 +217,14 @@ class Scheduler:
         for req_id, tokens, accepted in zip(result.req_ids, result.token_ids, result.num_accepted):
             req = self.requests.get(req_id)
             if req is None or req.status != Status.RUNNING:
+                _restart(clock)
                 continue  # a stop found one step late: what was computed after it is dropped
             if req.resume_token is not None:  # the recomputed prefill emitted the held-back token again
                 req.token_ids.append(req.resume_token)
                 req.resume_token = None
                 req.num_computed, req.num_drafts = len(req.token_ids) - 1, made.get(req_id, req.num_spec)
                 self._offer(req)
+                _restart(clock)
                 continue
             kept = req.append_verified(tokens)
             # The last token is sampled but not yet fed to the target: it is input to the next step.
@@ -407,3 +409,9 @@ class Scheduler:
         plan.num_drafts.append(d)
         plan.new_block_ids.append(new_blocks)
         plan.num_spec.append(spec)
+
+
+def _restart(clock: list[float] | None) -> None:
+    """Scheduler.update's clock past a request it skipped or resumed: the next request's share starts now."""
+    if clock is not None:
+        clock[-1] = time.perf_counter()

@@ -341,13 +341,13 @@ class AdaptiveSpec:
 
     def _probe_down(self, k: int, batch: int, floor: int) -> int:
         """k - 1 for one dwell where the choice stays at k and the bucket's host line has seen k alone for
-        HOST_WINDOW samples: a window of one k cannot draw what a draft costs the host, which then priced every k
-        at the host level of its own. At c = 128 on the H100, auto dwelt on k = 4 while fixed k = 3 ran 5 % faster,
-        greedy (run 214), and on k = 4 where k = 1 ran 10 % faster at T = 1 (run 205).
+        HOST_WINDOW samples (past the modules, SIDE): a window of one k cannot draw what a draft costs the host,
+        which then priced every k at the host level of its own. At c = 128 on the H100, auto dwelt on k = 4 while
+        fixed k = 3 ran 5 % faster, greedy (run 214), and on k = 4 where k = 1 ran 10 % faster at T = 1 (run 205).
         * Past the modules (the chain recurses on the last one) a probe leaves no module behind: probe_after apart
           once the price is settled, since each probe draws it anew, A/B/A as below them (since session AL: a window
           of k and k - 1 read the host's drift as the price, StepCosts._recursion_paired), wherever SIDE samples at
-          k precede it.
+          k precede it, settled or not (HOST_WINDOW apart until settled).
         * At or below them, k - 1 leaves module k - 1 behind, and every request is caught up when k rises again
           (a general-path step): only until DRAFT_DRAWS such probes drew the price below the modules, each from
           its own steps against those at k around it (StepCosts.begin_probe), which the line then keeps. At T = 1,

@@ -60,11 +60,11 @@ class AdaptiveConfig:
     # session AL) probes of min_dwell drew nothing in 11 of 20 and 7 of 10 complete ones (too few timed steps; runs
     # 327 and 331 replayed).
     draw_dwell: int = 24
-    # The host's price of a token drawn within steps, from the output path's time per request (token_price.py); False:
-    # across steps, from the least squares of each bucket's window of host samples, as before session AM, where the
-    # host's drift read as up to 14 us a token (run 325).
-    token_price_within_steps: bool = True
     max_dwell: int = 128  # the dwell doubles, up to this, while the choice holds
     # The dwell grows past min_dwell until a choice costs at most this share of the steps it covers: on the
     # H100's host one took ~0.4 ms, 0.1 ms per step at c = 1 every 8 steps (a fifth of a 0.55 ms step).
     choice_share: float = 0.01
+    # The host's price of a token drawn within steps, from each request's share of a decode step's postprocessing
+    # (token_price.py); False: across steps, from the least squares of each bucket's window of host samples, as before
+    # session AM, where the host's drift read as up to 14 us a token (run 325) and held auto at k = 0 (run 332).
+    token_price_within_steps: bool = True

@@ -19,22 +19,23 @@ from collections.abc import Sequence
 from mtpserve.cluster.device_costs import plain_median
 
 OUTLIER = 10.0  # a request's share over this many times the pool's median is a pause of the host, not its work
+Step = tuple[Sequence[int], Sequence[float]]  # one timed step: per request, the tokens it kept and its seconds
 
 
 class TokenPrice:
     """The host's seconds per emitted token (per request): the median of the last DRAWS draws, each the slope of a
-    pool of requests' postprocessing seconds over their tokens (None before the first draw: the engine times none
-    where AdaptiveConfig.token_price_within_steps is off)."""
+    pool of timed steps' requests' postprocessing seconds over their tokens, within each step (None before the first
+    draw: the engine times none where AdaptiveConfig.token_price_within_steps is off)."""
 
     EVERY = 8  # one step in EVERY has its postprocessing timed request by request (clock reads per request)
-    POOL = 128  # requests behind one draw: a small batch's timed steps pool theirs (a few hundred steps at c = 1)
-    LEAST = 3  # requests at one token count for that count's mean to count
+    POOL = 128  # requests at least behind one draw: one step's at c >= 128, a small batch's timed steps pool theirs
     DRAWS = 9  # draws behind the price (a GC pause or a slow spell inside one pool moves one draw)
 
     def __init__(self) -> None:
         self.price: float | None = None
         self._steps = 0
-        self._pool: list[tuple[int, float]] = []
+        self._pool: list[Step] = []
+        self._pooled = 0  # requests in the pool
         self._draws: deque[float] = deque(maxlen=self.DRAWS)
 
     def due(self) -> bool:
@@ -43,10 +44,14 @@ class TokenPrice:
         return self._steps % self.EVERY == 0
 
     def add(self, tokens: Sequence[int], seconds: Sequence[float]) -> None:
-        """One timed step: per request, the tokens it kept and its share of the step's postprocessing."""
-        self._pool.extend(zip(tokens, seconds))
-        if len(self._pool) >= self.POOL:
-            drawn, self._pool = group_slope(self._pool, self.LEAST), []
+        """One timed step: per request, the tokens it kept and its share of the step's postprocessing. A step whose
+        requests all kept as many tokens (k = 0, or every draft accepted) says nothing of their price."""
+        if len(set(tokens)) < 2:
+            return
+        self._pool.append((tokens, seconds))
+        self._pooled += len(tokens)
+        if self._pooled >= self.POOL:
+            drawn, self._pool, self._pooled = within_step_slope(self._pool), [], 0
             if drawn is not None:
                 self.add_draw(drawn)
 
@@ -56,21 +61,20 @@ class TokenPrice:
         self.price = plain_median(self._draws)
 
 
-def group_slope(pairs: Sequence[tuple[int, float]], least: int) -> float | None:
-    """The slope of seconds over tokens through each token count's mean seconds, weighted by its requests (counts with
-    fewer than `least` requests left out); None where fewer than two counts remain (every request kept as many
-    tokens: k = 0, or full acceptance), 0 where it slopes down. Means, since a block offered is a request's
-    seconds in a few steps out of many; samples over OUTLIER times the pool's median are left out (a GC pause)."""
-    cap = OUTLIER * plain_median([seconds for _, seconds in pairs])
-    groups: dict[int, list[float]] = {}
-    for tokens, seconds in pairs:
-        if seconds <= cap:
-            groups.setdefault(tokens, []).append(seconds)
-    points = [(t, sum(s) / len(s), len(s)) for t, s in groups.items() if len(s) >= least]
-    if len(points) < 2:
-        return None
-    n = sum(w for _, _, w in points)
-    mean_t, mean_s = sum(t * w for t, _, w in points) / n, sum(s * w for _, s, w in points) / n
-    tt = sum(w * (t - mean_t) ** 2 for t, _, w in points)
-    ts = sum(w * (t - mean_t) * (s - mean_s) for t, s, w in points)
-    return max(ts / tt, 0.0)
+def within_step_slope(steps: Sequence[Step]) -> float | None:
+    """The least-squares slope of seconds over tokens within steps: each request's tokens and seconds taken from its
+    own step's means, so that steps at different k or host speeds pool only their spread (at a small batch a pool
+    spans many steps). Means, not medians: a KV block offered to the prefix cache is a request's seconds in the few
+    steps whose tokens fill one. Requests over OUTLIER times the pool's median are left out (a GC pause). None where
+    no step's tokens vary; 0 where it slopes down."""
+    cap = OUTLIER * plain_median([x for _, seconds in steps for x in seconds])
+    tt = ts = 0.0
+    for tokens, seconds in steps:
+        kept = [(t, x) for t, x in zip(tokens, seconds) if x <= cap]
+        if len(kept) < 2:
+            continue
+        mean_t, mean_x = sum(t for t, _ in kept) / len(kept), sum(x for _, x in kept) / len(kept)
+        for t, x in kept:
+            tt += (t - mean_t) ** 2
+            ts += (t - mean_t) * (x - mean_x)
+    return max(ts / tt, 0.0) if tt > 0.0 else None

@@ -8,10 +8,10 @@ import itertools
 
 import numpy as np
 
+from mtpserve.cluster.paired_probe import SIDE
 from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.cluster.spec_config import AdaptiveConfig
 from mtpserve.cluster.step_costs import StepCosts
-from mtpserve.cluster.paired_probe import SIDE
 from tests.cluster.chooser_sim import COSTS, K, spec_with
 
 
