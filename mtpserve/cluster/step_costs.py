@@ -12,9 +12,9 @@ kept apart because they behave differently:
   at k = 4) and with k itself (work per KV group). Per bucket, a line H / batch = a + b * tokens / batch
   + c * k through its last HOST_WINDOW samples at any k (per request: a draining batch moves host and
   tokens together), scaled by the host's speed now (its newest samples over the line), so every k is priced
-  with the host as it is now, the tokens that k would emit and its drafts (b from the output path's time per
-  request within steps once drawn there, token_price.py; c only where the window held two k, else the last c
-  drawn); overlapped, at the mean of max(host, device) over the host's recent speeds.
+  with the host as it is now, the tokens that k would emit and its drafts (b from each request's share of a
+  step's postprocessing within steps once drawn there, token_price.py; c only where the window held two k, else
+  the last c drawn); overlapped, at the mean of max(host, device) over the host's recent speeds.
   Comparing whole-lap medians of cells measured at different times had read k = 4 as 4.4x k = 0 at c = 1
   where the steps were about 1.4x, and auto picked k's that the fixed-k runs beat.
 """
@@ -82,8 +82,8 @@ class StepCosts(DraftPriceDraws):
         # its choice) keeps it, instead of pricing the host of every k alike whatever tokens it would emit
         # (run 66: 0.003-0.007 ms a token drawn from within one cell, against about 0.014 across cells).
         self.host_slopes = [0.0] * nb
-        # The host's price of a token as the output path's time per request draws it within steps (token_price.py);
-        # where it has drawn one, every bucket's line takes it as its slope instead of drawing one across steps.
+        # The host's price of a token as each request's share of a step's postprocessing draws it within steps
+        # (token_price.py); once drawn, every bucket's line takes it as its slope instead of drawing one across steps.
         self.tokens = TokenPrice()
         # Per bucket, the host's seconds per request and draft beyond the tokens' (a window that holds two or
         # more k draws it, others keep the last): scheduling, block tables and offers per KV group grow with
