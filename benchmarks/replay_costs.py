@@ -84,8 +84,13 @@ def window_tokens(costs: StepCosts) -> None:
     costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
 
 
+def bound_recursion(costs: StepCosts) -> None:
+    """What-if: AdaptiveConfig.bound_recursion on (the price of a draft past the modules at most the one below them)."""
+    costs.bound_recursion = True
+
+
 VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None, "no-spread": no_spread,
-                                                    "window-tokens": window_tokens,
+                                                    "window-tokens": window_tokens, "bound-recursion": bound_recursion,
                                                     **{f"draft-{s}": draft_prior(s) for s in (0.04, 0.08, 0.12)},
                                                     **{f"token-{us}": token_price(us) for us in (0, 0.3, 1, 3)}}
 

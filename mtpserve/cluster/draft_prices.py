@@ -21,6 +21,7 @@ class DraftPriceDraws:
     # Probes behind the host's price of a draft past the modules (see host_recursion_slopes): at greedy c = 256 on the
     # H200 three drew 4.39, 3.99 and 0 us a request, where the fixed cells' steps put it at about 2 (run 332).
     RECURSION_DRAWS = 5
+    bound_recursion = False  # AdaptiveConfig.bound_recursion, set by the chooser
     # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
     # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
     DRAFT_DRAWS = 5
@@ -81,7 +82,11 @@ class DraftPriceDraws:
         keeps 0 (docs/adaptive-measurements.md, session AK: borrowing a larger bucket's, tried, moved drain picks
         to k's whose steps ran slower there)."""
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
-        return per_draft, per_draft if recursion is None else recursion
+        if recursion is None:
+            return per_draft, per_draft
+        if self.bound_recursion and len(self._draft_draws[b]) == self.DRAFT_DRAWS:  # see AdaptiveConfig
+            return per_draft, min(recursion, per_draft)
+        return per_draft, recursion
 
     def _draw_recursion(self, b: int, drawn: float, probed: int | None) -> None:
         """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed` (None: a

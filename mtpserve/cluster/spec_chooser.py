@@ -47,9 +47,9 @@ class AdaptiveSpec:
     """The scheduler's view: a row per running request, the chosen k per step, and what it learns."""
 
     def __init__(self, config: AdaptiveConfig) -> None:
-        self.config = config
         self.acceptance = AcceptanceTable(config)
         self.costs = StepCosts(config.max_k, config.max_rows, config.cost_window, config.per_draft_cost, config.modules)
+        self.config = config
         self.k = config.max_k  # the last choice (hysteresis starts from full speculation)
         self._probed_from = -1  # the k a probe of k + 1 left (hysteresis holds to it), -1 after any other choice
         self._probe_wait = 1  # probe_after is multiplied by this (see AdaptiveConfig.max_probe_wait)
@@ -76,6 +76,16 @@ class AdaptiveSpec:
         self._priced: tuple | None = None  # (rows, (batch, greedy, step), prices) taken one step ahead of a choice
         self._prepared_seconds = 0.0  # host seconds the due choice's work took in the steps before it
         self._spent = 0.0  # host seconds of choices and their preparation since the engine last took them
+
+    @property
+    def config(self) -> AdaptiveConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: AdaptiveConfig) -> None:
+        """The settings, and those the step costs read go with them (an A/B variant's: benchmarks/interleaved.py)."""
+        self._config = config
+        self.costs.bound_recursion = config.bound_recursion
 
     @property
     def _modules(self) -> int:

@@ -68,3 +68,8 @@ class AdaptiveConfig:
     # (token_price.py); False: across steps, from the least squares of each bucket's window of host samples, as before
     # session AM, where the host's drift read as up to 14 us a token (run 325) and held auto at k = 0 (run 332).
     token_price_within_steps: bool = True
+    # The host's price of a draft past the modules at most the price below them, once StepCosts.DRAFT_DRAWS probes drew
+    # that (such a draft has no KV group of its own). Off until a GPU A/B: replayed over greedy c = 256 (H200, run 333)
+    # it cut k = 3 picks from 145 to 101 of 235, where k = 4's steps were 4 % ahead; at T = 1, c = 32 it moved most
+    # picks from k = 3 to 4 (docs/adaptive-measurements.md, session AM).
+    bound_recursion: bool = False

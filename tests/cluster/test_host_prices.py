@@ -288,3 +288,20 @@ def test_a_probe_is_void_where_another_k_runs_and_draws_nothing_from_too_few_ste
     for _ in range(SIDE):
         full.add(3, 50e-6, 2.0)
     assert full.draw(10e-6) == pytest.approx(6e-6 - 10e-6 * 0.2)  # the 0.2 tokens a request more at k priced out
+
+
+def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them_once_drawn() -> None:
+    """AdaptiveConfig.bound_recursion: a draft past the modules has no KV group of its own, so once DRAFT_DRAWS probes
+    drew the price of a draft below the modules, the price past them (drawn 4 us here) is held to it (2 us)."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    b = costs.bucket(8)
+    costs.host_recursion_slopes[b] = 4e-6  # settled by probes past the modules
+    costs.host_draft_slopes[b] = 2e-6
+    costs._draft_draws[b].extend([2e-6] * (StepCosts.DRAFT_DRAWS - 1))
+    assert costs._draft_prices(b) == (2e-6, 4e-6)  # off by default
+    costs.bound_recursion = True
+    assert costs._draft_prices(b) == (2e-6, 4e-6)  # the price below the modules not yet drawn by every probe
+    costs._draft_draws[b].append(2e-6)
+    assert costs._draft_prices(b) == (2e-6, 2e-6)
+    costs.host_recursion_slopes[b] = 1e-6
+    assert costs._draft_prices(b) == (2e-6, 1e-6)  # a bound, not a floor

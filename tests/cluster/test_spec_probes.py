@@ -4,6 +4,7 @@ longer, and the return from a probe holds as a kept choice does."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -329,3 +330,11 @@ def test_past_the_modules_a_settled_price_is_probed_again_wherever_k_ran_a_probe
     assert costs.one_k_run(8, 4) == SIDE < spec.config.probe_after
     assert spec._probe_down(4, 8, floor=0) == 3
     assert spec._probe_down(4, 8, floor=0) == 4  # the next one probe_after steps on
+
+
+def test_settings_the_step_costs_read_follow_a_changed_config() -> None:
+    """benchmarks/interleaved.py runs an auto variant by replacing its chooser's config after the engine is built."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, modules=3))
+    assert spec.costs.bound_recursion is False
+    spec.config = dataclasses.replace(spec.config, bound_recursion=True)
+    assert spec.costs.bound_recursion is True and spec.config.bound_recursion
