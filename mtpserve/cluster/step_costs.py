@@ -101,7 +101,7 @@ class StepCosts(DraftPriceDraws):
         self._recursion_draws = [deque(maxlen=self.RECURSION_DRAWS) for _ in range(nb)]
         self._recursion_probe = [-1] * nb
         # Per bucket, whether a paired probe (A/B/A) has drawn that price: windows draw it only until then (their draws
-        # already made leave the lower median as the probes' replace them: two probes outvote them).
+        # already made leave the median as the probes' replace them: a majority of RECURSION_DRAWS outvotes them).
         # Through a window that held k = 3 and 4 the host's drift read as up to 4.9 us a request for the fourth draft
         # at T = 1, c = 256 on the H200, where fixed k = 4's steps took less host than k = 3's (run 326).
         self._recursion_paired = [False] * nb
