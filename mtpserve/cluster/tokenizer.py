@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from mtpserve.cluster.byte_level import ByteStream, byte_table
 
 
 class Tokenizer:
@@ -22,21 +25,31 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def byte_table(self) -> list[bytes] | None:
+        """Each id's bytes where the tokenizer is byte-level (byte_level.py), built on first use; None otherwise."""
+        return byte_table(self._tok)
+
 
 class IncrementalDetokenizer:
     """Emits text as tokens arrive, holding back incomplete UTF-8 sequences.
 
-    Decoding a short window (`prefix` .. end) instead of the whole output keeps each step cheap,
-    and decoding the window with and without the new tokens keeps word-boundary spaces right.
+    A byte-level tokenizer's ids are looked up in its byte table (ByteStream), with no call into the tokenizer.
+    Others decode a short window (`prefix` .. end) instead of the whole output, which keeps each step cheap, and
+    decode it with and without the new tokens, which keeps word-boundary spaces right.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
         self.tok = tokenizer
+        table = tokenizer.byte_table
+        self.bytes = ByteStream(table) if table is not None else None
         self.ids = list(prompt_ids[-6:])  # context so the first output token decodes with its leading space
         self.prefix = 0
         self.read = len(self.ids)
 
     def push(self, new_ids: list[int]) -> str:
+        if self.bytes is not None:
+            return self.bytes.push(new_ids)
         self.ids += new_ids
         before = self.tok.decode(self.ids[self.prefix : self.read])
         after = self.tok.decode(self.ids[self.prefix :])

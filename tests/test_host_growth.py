@@ -1,0 +1,21 @@
+"""benchmarks/host_growth.py: waves of the default model's engine on the CPU, the detokenizers taken in turn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import host_growth  # noqa: E402
+
+
+def test_waves_alternate_the_detokenizers_and_profile_the_first_of_each() -> None:
+    args = argparse.Namespace(device="cpu", concurrency=2, k=2, max_tokens=24, prompt_len=8, waves=4,
+                              detok=["table", "window"], window=2, gc="on", top=3)
+    waves = host_growth.run(args)
+    assert [w.detok for w in waves] == ["table", "window", "table", "window"]
+    assert [bool(w.profiles) for w in waves] == [True, True, False, False]
+    assert all(w.tokens == 2 * 24 and w.wall > 0 and len(w.laps) == len(w.gcs) for w in waves)
+    titles = [t.title for t in host_growth.tables(args, waves)]
+    assert any("by detokenizer" in t for t in titles) and sum("own time per step" in t for t in titles) == 2
