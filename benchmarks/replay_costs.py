@@ -84,13 +84,18 @@ def window_tokens(costs: StepCosts) -> None:
     costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
 
 
-def bound_recursion(costs: StepCosts) -> None:
-    """What-if: AdaptiveConfig.bound_recursion on (the price of a draft past the modules at most the one below them)."""
-    costs.bound_recursion = True
+def bound_recursion(on: bool) -> Callable[[StepCosts], None]:
+    """What-if: AdaptiveConfig.bound_recursion on (the price of a draft past the modules at most the one below them) or
+    off (as before session AN); a dump's cost model keeps the setting its engine ran with."""
+    def apply(costs: StepCosts) -> None:
+        costs.bound_recursion = on
+    return apply
 
 
 VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None, "no-spread": no_spread,
-                                                    "window-tokens": window_tokens, "bound-recursion": bound_recursion,
+                                                    "window-tokens": window_tokens,
+                                                    "bound-recursion": bound_recursion(True),
+                                                    "unbound-recursion": bound_recursion(False),
                                                     **{f"draft-{s}": draft_prior(s) for s in (0.04, 0.08, 0.12)},
                                                     **{f"token-{us}": token_price(us) for us in (0, 0.3, 1, 3)}}
 

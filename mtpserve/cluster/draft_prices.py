@@ -21,7 +21,7 @@ class DraftPriceDraws:
     # Probes behind the host's price of a draft past the modules (see host_recursion_slopes): at greedy c = 256 on the
     # H200 three drew 4.39, 3.99 and 0 us a request, where the fixed cells' steps put it at about 2 (run 332).
     RECURSION_DRAWS = 5
-    bound_recursion = False  # AdaptiveConfig.bound_recursion, set by the chooser
+    bound_recursion = True  # AdaptiveConfig.bound_recursion, set by the chooser
     # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
     # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
     DRAFT_DRAWS = 5

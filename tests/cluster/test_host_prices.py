@@ -298,7 +298,9 @@ def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them_once_dra
     costs.host_recursion_slopes[b] = 4e-6  # settled by probes past the modules
     costs.host_draft_slopes[b] = 2e-6
     costs._draft_draws[b].extend([2e-6] * (StepCosts.DRAFT_DRAWS - 1))
-    assert costs._draft_prices(b) == (2e-6, 4e-6)  # off by default
+    assert costs.bound_recursion  # on by default
+    costs.bound_recursion = False
+    assert costs._draft_prices(b) == (2e-6, 4e-6)
     costs.bound_recursion = True
     assert costs._draft_prices(b) == (2e-6, 4e-6)  # the price below the modules not yet drawn by every probe
     costs._draft_draws[b].append(2e-6)
