@@ -37,6 +37,8 @@ from mtpserve.cluster.engine import LLMEngine  # noqa: E402
 from mtpserve.cluster.engine_config import EngineConfig  # noqa: E402
 from mtpserve.sampling_params import SamplingParams  # noqa: E402
 
+AUTO = "auto"
+
 
 class GcClock:
     """Seconds the cyclic collector ran since `reset`."""
@@ -59,12 +61,12 @@ class GcClock:
 class Wave:
     """One wave's step laps, GC seconds per step, wall time and tokens, and its profiled windows (if any)."""
 
-    def __init__(self, detok: str) -> None:
-        self.detok, self.laps, self.gcs, self.wall, self.tokens = detok, [], [], 0.0, 0
+    def __init__(self, k: int | str, detok: str) -> None:
+        self.k, self.detok, self.laps, self.gcs, self.wall, self.tokens = k, detok, [], [], 0.0, 0
         self.profiles: dict[str, pstats.Stats] = {}
 
 
-def submit(engine: LLMEngine, tag: str, c: int, max_tokens: int, prompt_len: int, k: int) -> None:
+def submit(engine: LLMEngine, tag: str, c: int, max_tokens: int, prompt_len: int, k: int | str) -> None:
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, num_speculative_tokens=k)
     for i in range(c):
@@ -73,7 +75,7 @@ def submit(engine: LLMEngine, tag: str, c: int, max_tokens: int, prompt_len: int
 
 def run_wave(engine: LLMEngine, args: argparse.Namespace, w: Wave, tag: str, starts: dict[int, str],
              clock: GcClock) -> None:
-    submit(engine, tag, args.concurrency, args.max_tokens, args.prompt_len, args.k)
+    submit(engine, tag, args.concurrency, args.max_tokens, args.prompt_len, w.k)
     prof, left = None, 0
     t_wave = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -97,25 +99,27 @@ def run_wave(engine: LLMEngine, args: argparse.Namespace, w: Wave, tag: str, sta
 
 
 def run(args: argparse.Namespace) -> list[Wave]:
-    engine = LLMEngine(EngineConfig(device=args.device, num_speculative_tokens=args.k, max_num_seqs=args.concurrency))
+    engine = LLMEngine(EngineConfig(device=args.device, num_speculative_tokens=AUTO if AUTO in args.ks else
+                                    max(args.ks), max_num_seqs=args.concurrency))
     tokenizer = engine.outputs.tokenizer
     if tokenizer is None:
         raise SystemExit("the model has no tokenizer.json: nothing is detokenized")
     table = tokenizer.byte_table
     if "table" in args.detok and table is None:
         raise SystemExit("--detok table: this tokenizer is not byte-level (no byte table)")
-    submit(engine, "warm", args.concurrency, 16, args.prompt_len, args.k)
-    while engine.has_unfinished_requests():
-        engine.step()
+    for k in args.ks:
+        submit(engine, f"warm{k}-", args.concurrency, 16, args.prompt_len, k)
+        while engine.has_unfinished_requests():
+            engine.step()
     if args.gc == "freeze":
         gc.freeze()  # everything alive now (the engine, the model) leaves the collector's generations
     elif args.gc == "off":
         gc.disable()
-    clock, waves = GcClock(), []
+    clock, waves, kinds = GcClock(), [], max(len(args.ks), len(args.detok))
     for i in range(args.waves):
-        w = Wave(args.detok[i % len(args.detok)])
+        w = Wave(args.ks[i % len(args.ks)], args.detok[i % len(args.detok)])
         tokenizer.byte_table = table if w.detok == "table" else None  # read by each new request's detokenizer
-        profiled = i < len(args.detok) and args.window > 0
+        profiled = i < kinds and args.window > 0
         run_wave(engine, args, w, f"w{i}-", dict(zip(window_starts(args), ("early", "late"))) if profiled else {},
                  clock)
         waves.append(w)
@@ -125,8 +129,9 @@ def run(args: argparse.Namespace) -> list[Wave]:
 def window_starts(args: argparse.Namespace) -> tuple[int, int]:
     """The profiled windows' first steps: a tenth and three fifths into the wave's full-batch steps (at full
     acceptance a wave takes max_tokens / (k + 1) steps, so the late window ends before the first request does)."""
-    expected = args.max_tokens // (args.k + 1)
-    return max(4, expected // 10), int(expected * 0.6)
+    expected = args.max_tokens // (max(k for k in args.ks if k != AUTO) + 1 if args.ks != [AUTO] else 5)
+    early = max(4, expected // 10)
+    return early, max(int(expected * 0.6), early + args.window)
 
 
 def growth(stats: dict[str, pstats.Stats], window: int, top: int) -> list[tuple[str, float, float, int, int]]:
@@ -153,39 +158,63 @@ def tenths(w: Wave, skip: set[int]) -> str:
 
 
 def tables(args: argparse.Namespace, waves: list[Wave]) -> list[Table]:
-    title = f"host growth: c = {args.concurrency}, k = {args.k}, {args.max_tokens} tokens a request, gc {args.gc}"
+    title = f"host growth: c = {args.concurrency}, {args.max_tokens} tokens a request, gc {args.gc}"
     profiled = {s + i for s in window_starts(args) for i in range(args.window)}
     per_wave = Table(title + ": each wave (median lap per tenth of its steps; profiled waves' windows left out)",
-                     ["wave", "detok", "profiled", "steps", "tok/s", "gc ms/step", "median lap ms by tenths"])
+                     ["wave", "k", "detok", "profiled", "steps", "tok/s", "gc ms/step", "median lap ms by tenths"])
     for i, w in enumerate(waves):
         prof = bool(w.profiles)
-        per_wave.add(i, w.detok, "yes" if prof else "no", len(w.laps), f"{w.tokens / w.wall:.0f}",
+        per_wave.add(i, str(w.k), w.detok, "yes" if prof else "no", len(w.laps), f"{w.tokens / w.wall:.0f}",
                      f"{np.mean(w.gcs) * 1e3:.3f}", tenths(w, profiled if prof else set()))
     out = [per_wave]
     unprofiled = [w for w in waves if not w.profiles]
-    if len({w.detok for w in unprofiled}) > 1:
-        ab = Table(title + ": unprofiled waves by detokenizer", ["detok", "waves", "median tok/s", "over window's"])
-        rates = {d: [w.tokens / w.wall for w in unprofiled if w.detok == d] for d in args.detok}
-        base = statistics.median(rates["window"]) if rates.get("window") else None
-        for d, r in rates.items():
-            ab.add(d, len(r), f"{statistics.median(r):.0f}", f"{statistics.median(r) / base:.3f}" if base else "-")
+    kinds = sorted({(str(w.k), w.detok) for w in unprofiled})
+    if len(kinds) > 1:
+        ab = Table(title + ": unprofiled waves by k and detokenizer", ["k", "detok", "waves", "median tok/s",
+                                                                        "over the first row's"])
+        rates = {kind: [w.tokens / w.wall for w in unprofiled if (str(w.k), w.detok) == kind] for kind in kinds}
+        base = statistics.median(rates[kinds[0]])
+        for (k, d), r in rates.items():
+            ab.add(k, d, len(r), f"{statistics.median(r):.0f}", f"{statistics.median(r) / base:.3f}")
         out.append(ab)
-    for w in waves:
-        if w.profiles:
-            grown = Table(title + f", detok {w.detok}: own time per step, early window against late ({args.window} "
-                          f"steps each): the {args.top} that grew most, then the {args.top} with the most late",
-                          ["function", "early us/step", "late us/step", "late - early", "calls/step early", "late"])
-            for f, early, late, ce, cl in growth(w.profiles, args.window, args.top):
-                grown.add(f, f"{early:.1f}", f"{late:.1f}", f"{late - early:+.1f}", ce, cl)
-            out.append(grown)
+    profiled_waves = [w for w in waves if w.profiles]
+    for w in profiled_waves:
+        grown = Table(title + f", k = {w.k}, detok {w.detok}: own time per step, early window against late "
+                      f"({args.window} steps each): the {args.top} that grew most, then the {args.top} with the most "
+                      "late", ["function", "early us/step", "late us/step", "late - early", "calls/step early", "late"])
+        for f, early, late, ce, cl in growth(w.profiles, args.window, args.top):
+            grown.add(f, f"{early:.1f}", f"{late:.1f}", f"{late - early:+.1f}", ce, cl)
+        out.append(grown)
+    if len(profiled_waves) == 2:
+        out.append(compared(title, profiled_waves, args))
     return out
+
+
+def compared(title: str, waves: list[Wave], args: argparse.Namespace) -> Table:
+    """Own time per step over both windows of two profiled waves, the functions that differ most first."""
+    a, b = ({f: (t, n) for f, _, t, _, n in growth({"late": merged(w)}, 2 * args.window, 10**9)} for w in waves)
+    names = [f"k = {w.k}, {w.detok}" for w in waves]
+    table = Table(title + f": own time per step, {names[1]} against {names[0]} (both windows)",
+                  ["function", f"{names[0]} us/step", f"{names[1]} us/step", "difference", "calls/step",
+                   "calls/step (2nd)"])
+    rows = sorted(set(a) | set(b), key=lambda f: -abs(b.get(f, (0, 0))[0] - a.get(f, (0, 0))[0]))
+    for f in rows[: args.top]:
+        (ta, na), (tb, nb) = a.get(f, (0.0, 0)), b.get(f, (0.0, 0))
+        table.add(f, f"{ta:.1f}", f"{tb:.1f}", f"{tb - ta:+.1f}", na, nb)
+    return table
+
+
+def merged(w: Wave) -> pstats.Stats:
+    """Both profiled windows of a wave as one."""
+    first, *rest = w.profiles.values()
+    return first.add(*rest) if rest else first
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(p)
     p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--ks", default="4", help="the waves' k in turn (an int or auto): 4,auto compares the two")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--waves", type=int, default=6)
@@ -197,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     common.tiny_defaults(p, args, concurrency=4, max_tokens=64, window=4, waves=4, top=5)
     args.detok = args.detok.split(",")
+    args.ks = [k if k == AUTO else int(k) for k in args.ks.split(",")]
     if not set(args.detok) <= {"table", "window"}:
         p.error(f"--detok: table or window, got {args.detok}")
     common.report(args, "host_growth", common.pick_device(args.device), tables(args, run(args)))
