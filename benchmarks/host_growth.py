@@ -98,27 +98,39 @@ def run_wave(engine: LLMEngine, args: argparse.Namespace, w: Wave, tag: str, sta
     w.profiles = {name: pstats.Stats(p) for name, p in w.profiles.items()}  # type: ignore[arg-type]
 
 
+def engines(args: argparse.Namespace) -> dict[int | str, LLMEngine]:
+    """The engine each k's waves run on: one for all (an auto engine where auto is among them), or with
+    --engine-per-k one per k built for it, as benchmarks/interleaved.py builds its variants'."""
+    def build(k: int | str) -> LLMEngine:
+        return LLMEngine(EngineConfig(device=args.device, num_speculative_tokens=k, max_num_seqs=args.concurrency))
+    if args.engine_per_k:
+        return {k: build(k) for k in args.ks}
+    shared = build(AUTO if AUTO in args.ks else max(args.ks))
+    return {k: shared for k in args.ks}
+
+
 def run(args: argparse.Namespace) -> list[Wave]:
-    engine = LLMEngine(EngineConfig(device=args.device, num_speculative_tokens=AUTO if AUTO in args.ks else
-                                    max(args.ks), max_num_seqs=args.concurrency))
-    tokenizer = engine.outputs.tokenizer
-    if tokenizer is None:
+    by_k = engines(args)
+    tokenizers = {id(e.outputs.tokenizer): e.outputs.tokenizer for e in by_k.values()}
+    if None in tokenizers.values():
         raise SystemExit("the model has no tokenizer.json: nothing is detokenized")
-    table = tokenizer.byte_table
-    if "table" in args.detok and table is None:
+    tables = {i: t.byte_table for i, t in tokenizers.items()}
+    if "table" in args.detok and None in tables.values():
         raise SystemExit("--detok table: this tokenizer is not byte-level (no byte table)")
-    for k in args.ks:
+    for k, engine in by_k.items():
         submit(engine, f"warm{k}-", args.concurrency, 16, args.prompt_len, k)
         while engine.has_unfinished_requests():
             engine.step()
     if args.gc == "freeze":
-        gc.freeze()  # everything alive now (the engine, the model) leaves the collector's generations
+        gc.freeze()  # everything alive now (the engines, the model) leaves the collector's generations
     elif args.gc == "off":
         gc.disable()
     clock, waves, kinds = GcClock(), [], max(len(args.ks), len(args.detok))
     for i in range(args.waves):
         w = Wave(args.ks[i % len(args.ks)], args.detok[i % len(args.detok)])
-        tokenizer.byte_table = table if w.detok == "table" else None  # read by each new request's detokenizer
+        engine = by_k[w.k]
+        tokenizer = engine.outputs.tokenizer
+        tokenizer.byte_table = tables[id(tokenizer)] if w.detok == "table" else None  # read by new requests
         profiled = i < kinds and args.window > 0
         run_wave(engine, args, w, f"w{i}-", dict(zip(window_starts(args), ("early", "late"))) if profiled else {},
                  clock)
@@ -218,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--waves", type=int, default=6)
+    p.add_argument("--engine-per-k", action="store_true",
+                   help="an engine per k, built for it (as interleaved.py's variants), instead of one for all")
     p.add_argument("--detok", default="table,window", help="detokenizers the waves take in turn (table, window)")
     p.add_argument("--window", type=int, default=20, help="steps per profiled window (0: no profile)")
     p.add_argument("--gc", choices=("on", "off", "freeze"), default="on",

@@ -12,7 +12,8 @@ import host_growth  # noqa: E402
 
 def test_waves_alternate_the_detokenizers_and_profile_the_first_of_each() -> None:
     args = argparse.Namespace(device="cpu", concurrency=2, ks=[2], max_tokens=24, prompt_len=8, waves=4,
-                              detok=["table", "window"], window=2, gc="on", top=3)
+                              detok=["table", "window"], window=2, gc="on", top=3,
+                              engine_per_k=False)
     waves = host_growth.run(args)
     assert [w.detok for w in waves] == ["table", "window", "table", "window"]
     assert [bool(w.profiles) for w in waves] == [True, True, False, False]
@@ -21,10 +22,19 @@ def test_waves_alternate_the_detokenizers_and_profile_the_first_of_each() -> Non
     assert any("by k and detokenizer" in t for t in titles) and sum("own time per step" in t for t in titles) == 3
 
 
-def test_waves_alternate_fixed_k_and_auto_requests_in_one_engine() -> None:
+def test_waves_alternate_a_fixed_k_engine_and_an_auto_one() -> None:
     args = argparse.Namespace(device="cpu", concurrency=2, ks=[2, "auto"], max_tokens=16, prompt_len=8, waves=2,
-                              detok=["table"], window=2, gc="on", top=3)
+                              detok=["table"], window=2, gc="on", top=3, engine_per_k=True)
     waves = host_growth.run(args)
     assert [w.k for w in waves] == [2, "auto"] and all(w.profiles and w.tokens == 2 * 16 for w in waves)
     compared = host_growth.tables(args, waves)[-1]
     assert "k = auto, table against k = 2, table" in compared.title and compared.rows
+
+
+def test_one_engine_serves_every_k_unless_each_gets_its_own() -> None:
+    args = argparse.Namespace(device="cpu", concurrency=2, ks=[2, "auto"], engine_per_k=False)
+    shared = host_growth.engines(args)
+    assert shared[2] is shared["auto"] and shared[2].resolved.config.num_speculative_tokens == "auto"
+    args.engine_per_k = True
+    own = host_growth.engines(args)
+    assert own[2] is not own["auto"] and own[2].resolved.config.num_speculative_tokens == 2
