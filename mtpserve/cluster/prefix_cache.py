@@ -14,9 +14,8 @@ from verified inputs): positions below the target's num_computed, and for module
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
+from array import array
+from hashlib import blake2b
 
 _ROOT = b"mtpserve-prefix-cache-v1"
 
@@ -35,10 +34,18 @@ def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, lo
     """Append the chained hashes of blocks len(hashes) .. upto-1 (token_ids must cover their inputs).
 
     Block 0 covers t_0 .. t_{B+a-1} (with lookahead a: the module's first entries also depend on the
-    tokens the target saw before them); block b > 0 covers t_{bB+a} .. t_{(b+1)B+a-1}.
+    tokens the target saw before them); block b > 0 covers t_{bB+a} .. t_{(b+1)B+a-1}. Each block's tokens enter
+    its hash as native int64 bytes, the blocks' bytes converted in one go: the offers of full blocks (four groups a
+    block at three MTP modules) took about a fifth of the host-only engine's step at c = 128 (session AN).
     """
-    for b in range(len(hashes), upto):
-        lo, hi = (0 if b == 0 else b * block_size + lookahead), (b + 1) * block_size + lookahead
-        parent = hashes[-1] if hashes else _ROOT + bytes([lookahead])
-        tokens = np.asarray(token_ids[lo:hi], dtype=np.int64).tobytes()
-        hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
+    first = len(hashes)
+    if first >= upto:
+        return
+    lo = 0 if first == 0 else first * block_size + lookahead
+    data = array("q", token_ids[lo : upto * block_size + lookahead]).tobytes()  # int64, native order
+    parent = hashes[-1] if hashes else _ROOT + bytes([lookahead])
+    end = 0
+    for b in range(first, upto):
+        start, end = end, end + 8 * (block_size + lookahead if b == 0 else block_size)
+        parent = blake2b(parent + data[start:end], digest_size=16).digest()
+        hashes.append(parent)
