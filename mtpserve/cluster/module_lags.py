@@ -51,6 +51,16 @@ class ModuleLags:
         req.catch_up_owed = spec if rewind >= budget else 0
         return (spec, rewind) if rewind < budget else (req.live_spec, 0)
 
+    def settle(self, req: Request, spec: int) -> None:
+        """A step that ran `spec` drafts for `req` has completed. Where it ran every module of the request's chain
+        (a catch-up rewound those that lagged) and no step planned since left one behind, every module is committed
+        to the frontier again, and its blocks may be offered to the prefix cache past the first lag. Offered only
+        below that lag, an auto request that ever ran fewer drafts than its cap (a prompt prefilled at k = 1, say)
+        offered no module block past it, and a request repeating its prompt then reused nothing in any group."""
+        if req.modules_exact_upto is not None and req.live_spec < 0 and self.modules(spec) >= self.modules(
+                req.num_spec):
+            req.modules_exact_upto = None
+
     def advance(self, req: Request, spec: int) -> None:
         """Note a step that runs `spec` drafts for `req`: the modules past spec that ran until now begin to lag
         here, and those up to it are committed to the frontier (caught up, where k rose)."""

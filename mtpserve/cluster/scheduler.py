@@ -203,10 +203,11 @@ class Scheduler:
         accepted) for those that sampled. Requests that finished or were aborted since the plan was made are
         skipped. clock: the time is appended to it before the first request and after each one returned (the host's
         price of a token, token_price.py); a request skipped or resumed adds no share of its own."""
-        for req_id, n in zip(plan.req_ids, plan.num_tokens):
+        for req_id, n, spec in zip(plan.req_ids, plan.num_tokens, plan.num_spec):
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_computed += n
+                self.lags.settle(req, spec)
                 if req.num_computed < len(req.token_ids):  # mid-prompt; one that sampled is offered below
                     self._offer(req)
         drafts = dict(zip(plan.req_ids, plan.num_drafts))

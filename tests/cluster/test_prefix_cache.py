@@ -17,6 +17,7 @@ import pytest
 from mtpserve import LLM, SamplingParams
 from mtpserve.cluster.block_manager import BlockPool, KVBlockManager
 from mtpserve.cluster.prefix_cache import extend_hashes
+from mtpserve.cluster.spec_chooser import AdaptiveSpec
 from mtpserve.cluster.serve import add_serve_arguments, config_from_args, load_config
 from tests.cluster.test_speculative_engine import _replay
 from tests.conftest import prompts_of
@@ -232,3 +233,51 @@ def test_requeue_after_lost_workers_forgets_the_cache(partly_trained: Path) -> N
     again = engine.scheduler.schedule()
     assert [n.request_id for n in again.new_requests] == ["again"]
     assert not any(again.new_requests[0].num_computed)
+
+
+def _fall_then_repeat(path: Path, caching: bool, overlapped: bool, k: list[int]) -> tuple[dict, list[int], list[str]]:
+    """Request "a" at k = 1 for its prompt and two decode steps, then at 3 (k[0]: what the patched chooser
+    returns); then "b", repeating a's prompt and output, at 3. -> (outputs by id, b's prefix hits per group, the
+    requests whose modules the workers caught up)."""
+    base = prompts_of(64, [30], seed=5)[0]
+    llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=128, enable_prefix_caching=caching,
+              async_scheduling=overlapped)
+    engine, runner, caught = llm.engine, llm.engine.executor.runner, []
+    catch_up = runner._catch_up
+
+    def recorded(reqs, plan):
+        rewound = catch_up(reqs, plan)
+        caught.extend(rid for rid, a, b in zip(plan.req_ids, plan.num_tokens, rewound.num_tokens) if b > a)
+        return rewound
+
+    runner._catch_up = recorded
+    k[0], steps, outs, hits = 1, 0, {}, [0] * NUM_GROUPS
+    engine.add_request("a", base, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+        k[0] = 1 if steps < 4 else 3
+    engine.add_request("b", base + outs["a"].token_ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        hits = [h + s for h, s in zip(hits, engine.last_stats.prefix_cache_hits or [0] * NUM_GROUPS)]
+    return outs, hits, caught
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async"])
+def test_modules_caught_up_after_a_fall_are_offered_again(partly_trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         overlapped: bool) -> None:
+    """An auto request that prefilled at k = 1 left modules 2 and 3 behind from its prompt on; once k rose to 3 a
+    catch-up committed them to its frontier, and its blocks of every group are offered from there: a request that
+    repeats its prompt and output reuses them in all four groups, drafting as it does without the cache (module KV
+    served from the cache is exact). Before session AN a module's blocks past its first lag were never offered, and
+    the all-groups rule then left auto requests with no prefix hits at all."""
+    k = [1]
+    monkeypatch.setattr(AdaptiveSpec, "choose", lambda self, rows, batch=None, newcomers_adaptive=True: k[0])
+    off, _, caught = _fall_then_repeat(partly_trained, False, overlapped, k)
+    on, hits, _ = _fall_then_repeat(partly_trained, True, overlapped, k)
+    assert "a" in caught
+    assert all(h >= 40 for h in hits), hits  # of b's 50 prompt tokens, all but the blocks past module 3's lookahead
+    for req_id in ("a", "b"):
+        assert on[req_id].token_ids == off[req_id].token_ids
+        assert on[req_id].accepted_per_step == off[req_id].accepted_per_step, req_id
