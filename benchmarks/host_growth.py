@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""How the host's share of a decode step grows as the requests grow, and what detokenization costs it.
+"""How the host's share of a decode step grows as the requests grow, what detokenization costs it, and auto's.
 
-    python benchmarks/host_growth.py --concurrency 256 --k 4 --max-tokens 512 --waves 6   # GPU if any
-    python benchmarks/host_growth.py --device cpu --concurrency 16 --k 3 --max-tokens 128 --waves 2
+    python benchmarks/host_growth.py --concurrency 256 --ks 4 --max-tokens 512 --waves 8   # GPU if any
+    python benchmarks/host_growth.py --concurrency 128 --ks 4,auto --detok table --engine-per-k --max-tokens 1000
+    python benchmarks/host_growth.py --device cpu --concurrency 16 --ks 3 --max-tokens 128 --waves 2
 
-Waves of --concurrency requests of --max-tokens tokens each (eos ignored, greedy) run one after another on one
-engine, after a short warm-up wave. Every step is timed, and so is the cyclic garbage collector (gc.callbacks).
---detok names the detokenizers the waves take in turn: `table` looks each token's bytes up (cluster/byte_level.py,
-the engine's default for a byte-level tokenizer), `window` decodes two windows a request and step through the
-tokenizer (the path of every other tokenizer, and of byte-level ones before session AN). The first wave of each
-runs two windows of --window steps under cProfile, one early and one late; the tok/s of the waves after them, in
-the same process and interleaved, compare the two. On the H200 at c = 256 the host-bound lap grew from about 5.5 ms
-to 8 ms within a 512-token wave (run 337); the window path's two `decode` calls a request took about 1.4-1.9 ms of
-a step there.
+Waves of --concurrency requests of --max-tokens tokens each (eos ignored, greedy) run one after another, after a
+short warm-up wave per k. Every step is timed, and so is the cyclic garbage collector (gc.callbacks). The waves take
+each pair of --ks and --detok in turn, on one engine (an auto one where auto is among --ks) or, with --engine-per-k,
+on an engine built for each k, as interleaved.py builds its variants. --detok names the detokenizers: `table` looks
+each token's bytes up (cluster/byte_level.py, the engine's default for a byte-level tokenizer), `window` decodes two
+windows a request and step through the tokenizer (every other tokenizer's path, and byte-level ones' before session
+AN). The first wave of each pair runs two windows of --window steps under cProfile, one early and one late (the
+functions that grew, and those that cost most; with two pairs, their profiles side by side); the tok/s of the
+unprofiled waves after them, interleaved in one process, compare the pairs. On the H200 at c = 256 the host-bound
+lap grew from about 5.5 ms to 8 ms within a 512-token wave (run 337), and the window path's two `decode` calls a
+request took 1.4-1.9 ms of a step (run 338); the table made 1.25x the window path's tok/s (run 339).
 """
 
 from __future__ import annotations
@@ -125,13 +128,13 @@ def run(args: argparse.Namespace) -> list[Wave]:
         gc.freeze()  # everything alive now (the engines, the model) leaves the collector's generations
     elif args.gc == "off":
         gc.disable()
-    clock, waves, kinds = GcClock(), [], max(len(args.ks), len(args.detok))
+    clock, waves, kinds = GcClock(), [], [(k, d) for k in args.ks for d in args.detok]
     for i in range(args.waves):
-        w = Wave(args.ks[i % len(args.ks)], args.detok[i % len(args.detok)])
+        w = Wave(*kinds[i % len(kinds)])
         engine = by_k[w.k]
         tokenizer = engine.outputs.tokenizer
         tokenizer.byte_table = tables[id(tokenizer)] if w.detok == "table" else None  # read by new requests
-        profiled = i < kinds and args.window > 0
+        profiled = i < len(kinds) and args.window > 0
         run_wave(engine, args, w, f"w{i}-", dict(zip(window_starts(args), ("early", "late"))) if profiled else {},
                  clock)
         waves.append(w)
