@@ -65,7 +65,9 @@ def _is_text(b: bytes) -> bool:
 
 
 class ByteStream:
-    """The text of a stream of ids, as whole characters: bytes of a character still incomplete are held back."""
+    """The text of a stream of ids, as whole characters: the bytes of a character still incomplete are held back.
+    Bytes that can never become a character (a stray continuation byte, say) are passed on as U+FFFD at once, so
+    nothing waits for good and no step decodes more than the new bytes and a held-back few."""
 
     def __init__(self, table: list[bytes]) -> None:
         self.table, self.pending = table, b""
@@ -73,9 +75,17 @@ class ByteStream:
     def push(self, new_ids: list[int]) -> str:
         """The text the new ids complete ("" while the bytes so far end inside a character)."""
         table, n = self.table, len(self.table)
-        self.pending += b"".join([table[i] if 0 <= i < n else b"" for i in new_ids])
-        text = self.pending.decode("utf-8", "replace")
-        if not text or text.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        self.pending = b""
-        return text
+        data = self.pending + b"".join([table[i] if 0 <= i < n else b"" for i in new_ids])
+        whole = len(data) - _incomplete_tail(data)
+        self.pending = data[whole:]
+        return data[:whole].decode("utf-8", "replace")
+
+
+def _incomplete_tail(data: bytes) -> int:
+    """Trailing bytes that begin a multi-byte UTF-8 character still short of its length (0 to 3)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # the last byte that is no continuation byte: ASCII or a lead byte
+            length = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return back if back < length else 0
+    return 0

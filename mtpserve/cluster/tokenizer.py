@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -13,6 +12,9 @@ from mtpserve.cluster.byte_level import ByteStream, byte_table
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         self._tok = HFTokenizer.from_file(str(path))
+        # Each id's bytes where the tokenizer is byte-level (byte_level.py), else None: built here, at the engine's
+        # start (about 40 ms for the default model's 8192 ids), not on the first request.
+        self.byte_table: list[bytes] | None = byte_table(self._tok)
 
     @staticmethod
     def from_checkpoint(checkpoint: str | Path) -> "Tokenizer | None":
@@ -24,11 +26,6 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    @cached_property
-    def byte_table(self) -> list[bytes] | None:
-        """Each id's bytes where the tokenizer is byte-level (byte_level.py), built on first use; None otherwise."""
-        return byte_table(self._tok)
 
 
 class IncrementalDetokenizer:

@@ -85,3 +85,14 @@ def test_a_piece_outside_the_byte_alphabet_leaves_decoding_to_the_tokenizer() ->
     hf_ok = HFTokenizer(models.BPE({"a": 0, "b": 1, "ab": 2, "Ġ": 3}, [("a", "b")]))
     hf_ok.decoder = decoders.ByteLevel()
     assert byte_table(hf_ok) == [b"a", b"b", b"ab", b" "]
+
+
+def test_bytes_that_can_never_make_a_character_pass_as_replacements_at_once(tok: Tokenizer) -> None:
+    single = {b: i for i, b in enumerate(tok.byte_table) if len(b) == 1}
+    s = ByteStream(tok.byte_table)
+    stray = single[b"\x80"]  # a continuation byte with no lead byte before it
+    assert [s.push([stray]) for _ in range(3)] == ["\ufffd"] * 3 and s.pending == b""
+    assert s.push([single[b"\xe6"]]) == "" and s.pending == b"\xe6"  # the lead byte of a 3-byte character waits
+    assert s.push([single[b"a"]]) == "\ufffda"  # cut short by an ASCII byte: replaced, and the rest goes on
+    ids = tok.encode("日本", add_special_tokens=False)
+    assert "".join(s.push([i]) for i in ids) == "日本" and s.pending == b""
