@@ -105,6 +105,7 @@ def upgraded(costs: StepCosts) -> StepCosts:
     added the probes' draws below the modules) and each bucket's deques as long as a fresh model's: dumps of earlier
     runs replay with the model as it is now."""
     fresh = StepCosts(costs.max_k, costs._sizes[-1], costs.window, modules=costs.modules)
+    costs.__dict__.setdefault("bound_recursion", False)  # an engine before eb2849c ran unbounded (now a class default)
     for name, value in vars(fresh).items():
         costs.__dict__.setdefault(name, value)
         old = costs.__dict__[name]

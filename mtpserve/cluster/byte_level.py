@@ -66,8 +66,10 @@ def _is_text(b: bytes) -> bool:
 
 class ByteStream:
     """The text of a stream of ids, as whole characters: the bytes of a character still incomplete are held back.
-    Bytes that can never become a character (a stray continuation byte, say) are passed on as U+FFFD at once, so
-    nothing waits for good and no step decodes more than the new bytes and a held-back few."""
+    Those are at most the last three, a lead byte and what followed it, short of the length the lead byte names; all
+    other bytes are decoded at once (where they make no character, as U+FFFD), so nothing waits for good and no step
+    decodes more than its new bytes and the few held back. Bytes still held when the request ends are dropped, as the
+    tokenizer-window path drops its own."""
 
     def __init__(self, table: list[bytes]) -> None:
         self.table, self.pending = table, b""
