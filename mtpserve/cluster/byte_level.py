@@ -68,8 +68,7 @@ class ByteStream:
     """The text of a stream of ids, as whole characters: the bytes of a character still incomplete are held back.
     Those are at most the last three, a lead byte and what followed it, short of the length the lead byte names; all
     other bytes are decoded at once (where they make no character, as U+FFFD), so nothing waits for good and no step
-    decodes more than its new bytes and the few held back. Bytes still held when the request ends are dropped, as the
-    tokenizer-window path drops its own."""
+    decodes more than its new bytes and the few held back; `flush` passes them on when the request ends."""
 
     def __init__(self, table: list[bytes]) -> None:
         self.table, self.pending = table, b""
@@ -81,6 +80,11 @@ class ByteStream:
         whole = len(data) - _incomplete_tail(data)
         self.pending = data[whole:]
         return data[:whole].decode("utf-8", "replace")
+
+    def flush(self) -> str:
+        """The bytes still held, as text (U+FFFD for a character cut short): the stream has ended."""
+        text, self.pending = self.pending.decode("utf-8", "replace"), b""
+        return text
 
 
 def _incomplete_tail(data: bytes) -> int:

@@ -41,6 +41,9 @@ class OutputProcessor:
         kept, stopped = self._detokenize(state, new_tokens)
         if stopped:
             req.finish_reason = "stop"
+        elif req.finish_reason is not None and state.detok is not None:
+            # Ended by a token (eos, length): a character its last bytes cut short shows as U+FFFD, as in a whole decode.
+            state.full += state.detok.flush()
         out.new_token_ids = new_tokens[:kept]
         out.token_ids += out.new_token_ids
         out.new_logprobs = logprobs[:kept] if logprobs is not None else None

@@ -11,6 +11,9 @@ from tokenizers import decoders, models, pre_tokenizers
 from mtpserve.cluster.byte_level import ByteStream, byte_table
 from mtpserve.cluster.tokenizer import IncrementalDetokenizer, Tokenizer
 from mtpserve.cluster.engine_config import DEFAULT_MODEL_DIR
+from mtpserve.cluster.output_processor import OutputProcessor
+from mtpserve.cluster.request import Request
+from mtpserve.sampling_params import SamplingParams
 
 TEXT = "def f(n):\n    return n * 2  # héllo wörld, 日本語 and an emoji 😀 split across byte tokens\n\tend"
 
@@ -96,3 +99,19 @@ def test_bytes_that_can_never_make_a_character_pass_as_replacements_at_once(tok:
     assert s.push([single[b"a"]]) == "\ufffda"  # cut short by an ASCII byte: replaced, and the rest goes on
     ids = tok.encode("日本", add_special_tokens=False)
     assert "".join(s.push([i]) for i in ids) == "日本" and s.pending == b""
+
+
+@pytest.mark.parametrize("path", ["table", "window"])
+def test_a_request_cut_short_inside_a_character_ends_with_a_replacement(tok: Tokenizer, path: str) -> None:
+    single = {b: i for i, b in enumerate(tok.byte_table) if len(b) == 1}
+    ids = tok.encode("ok ", add_special_tokens=False) + [single[b] for b in (b"\xf0", b"\x9f")]  # half an emoji
+    processor = OutputProcessor(tok)
+    req = Request("r", [1, 2, 3], 3, SamplingParams(max_tokens=len(ids)), 0, 0, (), 64, 0.0)
+    processor.add(req)
+    if path == "window":
+        processor._text["r"].detok.bytes = None
+    texts = [processor.process(req, ids[:-1], None).new_text]
+    req.finish_reason = "length"
+    texts.append(processor.process(req, ids[-1:], None).new_text)
+    assert "".join(texts) == tok.decode(ids) == "ok \ufffd"
+    assert texts[0] == ("ok " if path == "table" else "")  # the window path holds its whole window back
