@@ -42,7 +42,8 @@ class OutputProcessor:
         if stopped:
             req.finish_reason = "stop"
         elif req.finish_reason is not None and state.detok is not None:
-            # Ended by a token (eos, length): a character its last bytes cut short shows as U+FFFD, as in a whole decode.
+            # Ended by a token (eos, length): a character its last bytes cut short shows as U+FFFD, as a whole decode
+            # shows it.
             state.full += state.detok.flush()
         out.new_token_ids = new_tokens[:kept]
         out.token_ids += out.new_token_ids
