@@ -68,9 +68,10 @@ class ModuleLags:
             req.live_spec, req.lag_from = -1, None
             return
         if req.modules_exact_upto is None:
-            # Module m (0-based) has committed only up to N - m - 1 of N verified tokens (in decode N - 1 = num_computed;
-            # a fall planned while a step is in flight sees that step's start, and the step commits module m to at
-            # least one position past it, less m): past that its entries came from drafts, and stay so once it stops.
+            # Module m (0-based) has committed only up to N - m - 1 of N verified tokens (in decode N - 1 is
+            # num_computed; a fall planned while a step is in flight sees that step's start, and the step commits
+            # module m to at least one position past it, less m): past that its entries came from drafts, and stay
+            # so once it stops.
             req.modules_exact_upto = max(0, req.num_computed - (self.num_modules - 1))
         ran = req.live_spec if req.live_spec >= 0 else self.modules(req.num_spec)
         if spec < ran:

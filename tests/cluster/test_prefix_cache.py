@@ -336,4 +336,5 @@ def test_hashes_extended_in_one_call_or_block_by_block_are_the_same_chain() -> N
         tail = [] + whole[:3]
         extend_hashes(tail, tokens[:3 * BLOCK + lookahead] + [t + 1 for t in tokens[3 * BLOCK + lookahead:]], BLOCK,
                       lookahead, 10)
-        assert tail[:3] == whole[:3] and all(a != b for a, b in zip(tail[3:], whole[3:]))  # a changed token moves the rest
+        # A token changed in block 3 changes its hash and every one after it, none before.
+        assert tail[:3] == whole[:3] and all(a != b for a, b in zip(tail[3:], whole[3:]))
