@@ -48,8 +48,7 @@ class IncrementalDetokenizer:
         if self.bytes is not None:
             return self.bytes.push(new_ids)
         self.ids += new_ids
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before, after = self._window()
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""  # wait for the rest of a multi-byte character
         self.prefix, self.read = self.read, len(self.ids)
@@ -60,7 +59,10 @@ class IncrementalDetokenizer:
         tokenizer decodes the whole output."""
         if self.bytes is not None:
             return self.bytes.flush()
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before, after = self._window()
         self.prefix = self.read = len(self.ids)
         return after[len(before) :]
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text without the tokens not yet emitted, and with them."""
+        return self.tok.decode(self.ids[self.prefix : self.read]), self.tok.decode(self.ids[self.prefix :])
