@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cell_phases  # noqa: E402
 import common  # noqa: E402
 import cost_samples  # noqa: E402
+import host_parts  # noqa: E402
 import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
@@ -126,15 +127,21 @@ class PhaseSums:
 
     def __init__(self, engines: dict) -> None:
         self.tracers = {k: cell_phases.StepTracer(engine) for k, engine in engines.items()}
+        self.parts = {k: host_parts.HostParts(engine) for k, engine in engines.items()}  # wraps the tracer's step
         self.sums: dict[int | str, dict[str, list[float]]] = {k: {} for k in engines}
+        # Per variant and k, its full-batch steps' (lap, parts), the k unchanged from the step before.
+        self.full: dict[int | str, dict[int, list[tuple[float, dict[str, float]]]]] = {k: {} for k in engines}
 
     def start(self, k: int | str) -> None:
         self.tracers[k].start()
+        self.parts[k].start()
 
     def add(self, k: int | str, c: int) -> None:
         records = self.tracers[k].records
         last_k = records[0].k if records else 0
-        for r, phase in zip(records, cell_phases.phase_of(records, c)):
+        for r, phase, parts in zip(records, cell_phases.phase_of(records, c), self.parts[k].steps):
+            if phase == "full" and r.k == last_k and not r.chose:
+                self.full[k].setdefault(r.k, []).append((r.seconds, parts))
             extra = (("choosing",) if r.chose else ()) + (("k moved",) if r.k != last_k else ())
             last_k = r.k
             for key in (phase, *extra):
@@ -150,6 +157,19 @@ class PhaseSums:
             t.add(f"MTP{k}", *(f"{int(n)} / {s * 1e3:.0f} / {tok / max(s * 1e3, 1e-9):.1f}" if n else "0"
                                for n, s, tok in (sums.get(p, (0, 0.0, 0)) for p in (*cell_phases.PHASES, *extra))))
         return t
+
+    def parts_tables(self, c: int) -> list[Table]:
+        """Per k that two variants ran at the full batch, their steps' host parts side by side (host_parts.py)."""
+        ks = sorted({k for full in self.full.values() for k in full})
+        tables = []
+        for k in ks:
+            rows = {f"MTP{v}": (sum(x[0] for x in full[k]) / len(full[k]), [x[1] for x in full[k]])
+                    for v, full in self.full.items() if len(full.get(k, ())) >= 10}
+            if len(rows) >= 2:
+                tables.append(host_parts.parts_table(
+                    f"host parts at c = {c}, k = {k}: full-batch steps at the k of the step before, no choice "
+                    "made; mean us a step (in parentheses: parts inside those before them)", rows))
+        return tables
 
 
 def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None,
@@ -236,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(table_for(run_rounds(args, engines, rounds, c, deadline, log, phases), c))
             if phases is not None:
                 tables.append(phases.table(c))
+                tables += phases.parts_tables(c)
             for engine in engines.values():
                 engine.shutdown()
     if log is not None:

@@ -1,0 +1,99 @@
+"""Where each LLMEngine.step's host time goes: named parts of the step timed in place, step by step.
+
+interleaved.py --phases found auto's full-batch steps at the same k 2-6 % slower than a fixed k's, host-bound, on
+the H200 (session AN), where the CPU's host-only engine showed about 1 %. This splits every step into the engine's
+own pieces (the scheduler's plan, the launch, the wait for the step in flight and its read-back, the scheduler's
+update, the output path, the cost model's learning, the chooser's preparation) so that two variants' steps at the
+same batch and k can be set side by side part by part. Inner parts (the chooser inside the schedule, the output
+path inside emit, the runner's uniform launch and its read-back) are shown in parentheses, not added again. A part costs two perf_counter calls a call (~0.2 us).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common import Table
+from mtpserve.cluster.engine import LLMEngine
+
+# (part, owner's path on the engine, attribute): the top-level parts of a step, in the order a step runs them.
+TOP_PARTS = (
+    ("schedule", "scheduler", "schedule"),
+    ("schedule", "scheduler", "schedule_overlapped"),
+    ("launch", "executor", "submit"),
+    ("launch", "executor", "execute"),
+    ("prepare", "adaptive", "prepare_due"),
+    ("wait", "executor", "wait"),
+    ("update", "scheduler", "update"),
+    ("emit", "", "_emit"),
+    ("learn", "", "_learn_cost"),
+)
+# Parts inside a top-level one (reported apart, not added to the total).
+INNER_PARTS = (("choose", "scheduler", "_choose_k"), ("detok", "outputs", "process"),
+               ("uniform", "executor.runner", "_launch_uniform"), ("finish", "executor.runner", "_finish_uniform"))
+INNER = ("choose", "detok", "uniform", "finish")
+NAMES = ("schedule", "launch", "prepare", "wait", "update", "emit", "learn")
+
+
+class HostParts:
+    """Per LLMEngine.step call, the seconds spent in each part (TOP_PARTS, INNER_PARTS) and the call's own."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._now: dict[str, float] = {}
+        for part, owner, name in TOP_PARTS + INNER_PARTS:
+            target = _owner(engine, owner)
+            if target is not None and hasattr(target, name):
+                setattr(target, name, self._timed(part, getattr(target, name)))
+        step = engine.step
+
+        def traced_step() -> Any:
+            self._now = {}
+            t0 = time.perf_counter()
+            out = step()
+            self._now["step"] = time.perf_counter() - t0
+            self.steps.append(self._now)
+            return out
+
+        engine.step = traced_step
+
+    def _timed(self, part: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._now[part] = self._now.get(part, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def start(self) -> None:
+        self.steps = []
+
+
+def _owner(engine: LLMEngine, path: str) -> Any:
+    """The object at a dotted attribute path from the engine ("": the engine; None where a link is missing)."""
+    target: Any = engine
+    for name in filter(None, path.split(".")):
+        target = getattr(target, name, None)
+    return target
+
+
+def part_means(steps: list[dict[str, float]]) -> list[float]:
+    """Mean microseconds a step of each of NAMES, 'other' (the step call less its parts), then of INNER."""
+    def mean(name: str) -> float:
+        return statistics.fmean(s.get(name, 0.0) for s in steps) * 1e6
+    other = statistics.fmean(s["step"] - sum(s.get(n, 0.0) for n in NAMES) for s in steps) * 1e6
+    return [mean(n) for n in NAMES] + [other] + [mean(n) for n in INNER]
+
+
+def parts_table(title: str, rows: dict[str, tuple[float, list[dict[str, float]]]]) -> Table:
+    """rows: per variant (its laps' mean seconds, its steps' parts)."""
+    t = Table(title, ["variant", "steps", "lap us", "step() us", *NAMES, "other", *(f"({n})" for n in INNER)])
+    for name, (lap, steps) in rows.items():
+        if steps:
+            t.add(name, str(len(steps)), f"{lap * 1e6:.0f}",
+                  f"{statistics.fmean(s['step'] for s in steps) * 1e6:.0f}",
+                  *(f"{x:.0f}" for x in part_means(steps)))
+    return t
