@@ -28,6 +28,7 @@ class DraftPriceDraws:
     host_recent: list[deque]
     host_slopes: list[float]
     host_draft_slopes: list[float]
+    draft_drawn: list[bool]
     host_recursion_slopes: list[float | None]
     k_seen: list[list[int]]
     _draft_draws: list[deque]
@@ -74,17 +75,17 @@ class DraftPriceDraws:
             self._draw_recursion(b, drawn, None)
             return
         self._draft_draws[b].append(drawn)
-        self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
+        self.host_draft_slopes[b], self.draft_drawn[b] = plain_median(self._draft_draws[b]), True
 
     def _draft_prices(self, b: int) -> tuple[float, float]:
         """(per draft below the modules, per draft past them) of bucket b's host per request, as b drew them (past
-        the modules as below them until drawn there). A bucket a drain passes through too fast to draw its own
-        keeps 0 (docs/adaptive-measurements.md, session AK: borrowing a larger bucket's, tried, moved drain picks
-        to k's whose steps ran slower there)."""
+        the modules as below them until drawn there; bounded, at most as below them once a window or a probe drew that). A
+        bucket a drain passes through too fast to draw its own keeps 0 (docs/adaptive-measurements.md, session AK:
+        borrowing a larger bucket's, tried, moved drain picks to k's whose steps ran slower there)."""
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         if recursion is None:
             return per_draft, per_draft
-        if self.bound_recursion and len(self._draft_draws[b]) == self.DRAFT_DRAWS:  # see AdaptiveConfig
+        if self.bound_recursion and self.draft_drawn[b]:  # see AdaptiveConfig
             return per_draft, min(recursion, per_draft)
         return per_draft, recursion
 

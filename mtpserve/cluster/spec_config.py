@@ -68,9 +68,12 @@ class AdaptiveConfig:
     # (token_price.py); False: across steps, from the least squares of each bucket's window of host samples, as before
     # session AM, where the host's drift read as up to 14 us a token (run 325) and held auto at k = 0 (run 332).
     token_price_within_steps: bool = True
-    # The host's price of a draft past the modules at most the price below them, once StepCosts.DRAFT_DRAWS probes drew
-    # that (such a draft has no KV group of its own, and the host does the same for it as for any other). Unbounded,
-    # the probes past the modules drew 10.4 us a request at greedy c = 32 where those below drew 3.8, and the fixed
-    # cells' k = 4 cost 4.7 us a request over k = 3 with its extra token: auto ran k = 3 in 96 of 114 full choices
-    # at 0.931 of fixed k = 4 (H200, run 339; docs/adaptive-measurements.md, session AN). False: as before session AN.
+    # The host's price of a draft past the modules at most the price below them, once a window or a probe drew that
+    # (such a draft has no KV group of its own, and the host does the same for it as for any other). Unbounded, the
+    # probes past the modules drew 10.4 us a request at greedy c = 32 where those below drew 3.8, and the fixed cells'
+    # k = 4 cost 4.7 us a request over k = 3 with its extra token: auto ran k = 3 in 96 of 114 full choices at 0.931 of
+    # fixed k = 4 (H200, run 339). Bounded only once DRAFT_DRAWS probes had drawn the price below (session AN), the
+    # bound rarely held: at random c = 128 (run 344) the fourth draft stood at 4.4 us against 1.9 and auto ran k = 3 in
+    # 540 of 2086 full-batch steps, 13 % below k = 4's tokens a ms there (docs/adaptive-measurements.md, session AO).
+    # False: as before session AN.
     bound_recursion: bool = True

@@ -178,7 +178,9 @@ def test_a_window_on_both_sides_of_the_modules_draws_the_group_price_beside_the_
         sample(i, 2 + (i // 8) % 3)
     price = costs.host_draft_prices(8)
     assert price[1] == pytest.approx(5e-6, rel=0.02) and price[3] == pytest.approx(15e-6, rel=0.02)
-    assert price[4] - price[3] == pytest.approx(10e-6, rel=0.02)
+    assert price[4] - price[3] == pytest.approx(5e-6, rel=0.02)  # bounded by the draft below the modules, drawn now
+    costs.bound_recursion = False  # the recursion's own price, as drawn
+    assert costs._draft_prices(costs.bucket(8))[1] == pytest.approx(10e-6, rel=0.02)
 
 
 def test_a_lap_is_priced_at_its_mean_where_host_and_device_are_close() -> None:
@@ -290,20 +292,23 @@ def test_a_probe_is_void_where_another_k_runs_and_draws_nothing_from_too_few_ste
     assert full.draw(10e-6) == pytest.approx(6e-6 - 10e-6 * 0.2)  # the 0.2 tokens a request more at k priced out
 
 
-def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them_once_drawn() -> None:
-    """AdaptiveConfig.bound_recursion: a draft past the modules has no KV group of its own, so once DRAFT_DRAWS probes
-    drew the price of a draft below the modules, the price past them (drawn 4 us here) is held to it (2 us)."""
+def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them() -> None:
+    """AdaptiveConfig.bound_recursion: a draft past the modules has no KV group of its own, so its price (drawn 4 us
+    here) is held to the price of a draft below them (2 us) once a window or probes drew that (0 until then stands for
+    unknown, not for free)."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
     b = costs.bucket(8)
     costs.host_recursion_slopes[b] = 4e-6  # settled by probes past the modules
     costs.host_draft_slopes[b] = 2e-6
-    costs._draft_draws[b].extend([2e-6] * (StepCosts.DRAFT_DRAWS - 1))
     assert costs.bound_recursion  # on by default
+    assert costs._draft_prices(b) == (2e-6, 4e-6)  # not drawn below the modules yet
+    costs.draft_drawn[b] = True  # a window's draw: no probe below the modules has drawn it yet
     costs.bound_recursion = False
     assert costs._draft_prices(b) == (2e-6, 4e-6)
     costs.bound_recursion = True
-    assert costs._draft_prices(b) == (2e-6, 4e-6)  # the price below the modules not yet drawn by every probe
-    costs._draft_draws[b].append(2e-6)
     assert costs._draft_prices(b) == (2e-6, 2e-6)
+    costs._draft_draws[b].extend([3e-6] * StepCosts.DRAFT_DRAWS)
+    costs.host_draft_slopes[b] = 3e-6  # the probes' median
+    assert costs._draft_prices(b) == (3e-6, 3e-6)
     costs.host_recursion_slopes[b] = 1e-6
-    assert costs._draft_prices(b) == (2e-6, 1e-6)  # a bound, not a floor
+    assert costs._draft_prices(b) == (3e-6, 1e-6)  # a bound, not a floor
