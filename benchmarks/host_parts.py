@@ -32,8 +32,13 @@ TOP_PARTS = (
 )
 # Parts inside a top-level one (reported apart, not added to the total).
 INNER_PARTS = (("choose", "scheduler", "_choose_k"), ("detok", "outputs", "process"),
-               ("uniform", "executor.runner", "_launch_uniform"), ("finish", "executor.runner", "_finish_uniform"))
-INNER = ("choose", "detok", "uniform", "finish")
+               ("uniform", "executor.runner", "_launch_uniform"), ("finish", "executor.runner", "_finish_uniform"),
+               # inside the uniform launch: the batch's slots, the state diffs packed, their upload and scatter, the
+               # result's copy to the host queued (the rest is the graph's lookup, input copy and replay)
+               ("batch", "executor.runner.batches", "of"), ("pack", "executor.runner.diffs", "pack"),
+               ("upload", "executor.runner.uniform.staging", "upload"),
+               ("apply", "executor.runner.uniform.state", "apply"), ("stage", "executor.runner", "_stage"))
+INNER = tuple(part for part, _, _ in INNER_PARTS)
 NAMES = ("schedule", "launch", "prepare", "wait", "update", "emit", "learn")
 
 
