@@ -92,7 +92,15 @@ def bound_recursion(on: bool) -> Callable[[StepCosts], None]:
     return apply
 
 
+def cap_drafts(on: bool) -> Callable[[StepCosts], None]:
+    """What-if: AdaptiveConfig.cap_drafts on (a draft's host price at most a token's) or off (as before session AO)."""
+    def apply(costs: StepCosts) -> None:
+        costs.cap_drafts = on
+    return apply
+
+
 VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None, "no-spread": no_spread,
+                                                    "cap-drafts": cap_drafts(True), "uncapped-drafts": cap_drafts(False),
                                                     "window-tokens": window_tokens,
                                                     "bound-recursion": bound_recursion(True),
                                                     "unbound-recursion": bound_recursion(False),
@@ -106,6 +114,7 @@ def upgraded(costs: StepCosts) -> StepCosts:
     runs replay with the model as it is now."""
     fresh = StepCosts(costs.max_k, costs._sizes[-1], costs.window, modules=costs.modules)
     costs.__dict__.setdefault("bound_recursion", False)  # an engine before eb2849c ran unbounded (now a class default)
+    costs.__dict__.setdefault("cap_drafts", False)  # and one before session AO uncapped
     for name, value in vars(fresh).items():
         costs.__dict__.setdefault(name, value)
         old = costs.__dict__[name]

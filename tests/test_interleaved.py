@@ -119,11 +119,14 @@ def test_phases_sum_each_variants_steps_over_its_rounds(capsys: pytest.CaptureFi
 def test_phases_count_the_steps_whose_k_moved() -> None:
     """'k moved': the steps whose k was not the step's before, within a cell (the first step of a cell moves nothing)."""
     sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
-    sums.sums = {"auto": {}}
+    sums.sums, sums.full = {"auto": {}}, {"auto": {}}
     for ks in ([2, 2, 3, 3, 2, 2], [3, 3, 3, 2, 2, 2]):  # the second cell starts at another k than the first ended
         records = [cell_phases.StepRecord(0.001 * (i + 1), 4, 0, 3, k, 0, 0.0, 0) for i, k in enumerate(ks)]
         sums.tracers = {"auto": SimpleNamespace(records=records)}
+        sums.parts = {"auto": SimpleNamespace(steps=[{"step": r.seconds} for r in records])}
         sums.add("auto", 4)
     steps, seconds, tokens = sums.sums["auto"]["k moved"]
     assert (steps, tokens) == (3, 9) and seconds == pytest.approx(0.003 + 0.005 + 0.004)
     assert sums.sums["auto"]["full"][0] == 12
+    # Full steps at the k of the step before (the first step of a cell counts as such): their parts, per k.
+    assert {k: len(v) for k, v in sums.full["auto"].items()} == {2: 5, 3: 4}

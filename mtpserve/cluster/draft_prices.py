@@ -11,6 +11,7 @@ from collections.abc import Callable
 from mtpserve.cluster import host_fits
 from mtpserve.cluster.device_costs import lower_median, plain_median
 from mtpserve.cluster.paired_probe import SIDE, PairedProbe
+from mtpserve.cluster.token_price import TokenPrice
 
 
 class DraftPriceDraws:
@@ -22,6 +23,7 @@ class DraftPriceDraws:
     # H200 three drew 4.39, 3.99 and 0 us a request, where the fixed cells' steps put it at about 2 (run 332).
     RECURSION_DRAWS = 5
     bound_recursion = True  # AdaptiveConfig.bound_recursion, set by the chooser
+    cap_drafts = True  # AdaptiveConfig.cap_drafts, set by the chooser
     # Probes behind the price of a draft below the modules (each a catch-up): one A/B/A draw is noisy (0, 6.95 and
     # 1.81 us a request at T = 1, c = 8 on the H200, where the fixed cells' steps put it at about 4, run 302).
     DRAFT_DRAWS = 5
@@ -41,6 +43,7 @@ class DraftPriceDraws:
     _fitted_at: list[int]
     bucket: Callable[[int], int]  # StepCosts': a batch's bucket
     _draft_price: Callable[[float, float], list[float]]  # StepCosts': [K + 1] the drafts' price at each k
+    tokens: TokenPrice  # StepCosts': the host's price of a token drawn within steps
 
     def knows_recursion(self, batch: int) -> bool:
         """Whether this batch's bucket has drawn the host's price of a draft past the modules."""
@@ -83,6 +86,9 @@ class DraftPriceDraws:
         bucket a drain passes through too fast to draw its own keeps 0 (docs/adaptive-measurements.md, session AK:
         borrowing a larger bucket's, tried, moved drain picks to k's whose steps ran slower there)."""
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
+        cap = self.tokens.price if self.cap_drafts else None
+        if cap is not None:  # see AdaptiveConfig.cap_drafts
+            per_draft, recursion = min(per_draft, cap), None if recursion is None else min(recursion, cap)
         if recursion is None:
             return per_draft, per_draft
         if self.bound_recursion and self.draft_drawn[b]:  # see AdaptiveConfig

@@ -85,7 +85,7 @@ class AdaptiveSpec:
     def config(self, config: AdaptiveConfig) -> None:
         """The settings, and those the step costs read go with them (an A/B variant's: benchmarks/interleaved.py)."""
         self._config = config
-        self.costs.bound_recursion = config.bound_recursion
+        self.costs.bound_recursion, self.costs.cap_drafts = config.bound_recursion, config.cap_drafts
 
     @property
     def _modules(self) -> int:

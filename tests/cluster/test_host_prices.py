@@ -312,3 +312,22 @@ def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them() -> Non
     assert costs._draft_prices(b) == (3e-6, 3e-6)
     costs.host_recursion_slopes[b] = 1e-6
     assert costs._draft_prices(b) == (3e-6, 1e-6)  # a bound, not a floor
+
+
+def test_a_draft_is_priced_at_most_as_a_token_once_the_token_price_is_drawn() -> None:
+    """AdaptiveConfig.cap_drafts: a draft costs the host less than a token does (a token is also detokenized, output
+    and hashed into blocks), so the probes' draws (past the modules 12 us a request here, below them 5) stand at most
+    at the token's price drawn within steps (3 us), and as drawn until that price is."""
+    costs = StepCosts(max_k=4, max_rows=8, modules=3)
+    b = costs.bucket(8)
+    costs.host_recursion_slopes[b], costs.host_draft_slopes[b], costs.draft_drawn[b] = 12e-6, 5e-6, True
+    costs.bound_recursion = False
+    assert costs.cap_drafts and costs.tokens.price is None  # on by default; no token price drawn yet
+    assert costs._draft_prices(b) == (5e-6, 12e-6)
+    costs.tokens.price = 3e-6
+    assert costs._draft_prices(b) == (3e-6, 3e-6)
+    costs.host_draft_slopes[b] = 1e-6
+    assert costs._draft_prices(b) == (1e-6, 3e-6)  # a cap, not a floor
+    costs.cap_drafts = False
+    assert costs._draft_prices(b) == (1e-6, 12e-6)
+

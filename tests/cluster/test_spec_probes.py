@@ -335,6 +335,8 @@ def test_past_the_modules_a_settled_price_is_probed_again_wherever_k_ran_a_probe
 def test_settings_the_step_costs_read_follow_a_changed_config() -> None:
     """benchmarks/interleaved.py runs an auto variant by replacing its chooser's config after the engine is built."""
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, modules=3))
-    assert spec.costs.bound_recursion is True
+    assert spec.costs.bound_recursion is True and spec.costs.cap_drafts is True
     spec.config = dataclasses.replace(spec.config, bound_recursion=False)
     assert spec.costs.bound_recursion is False and not spec.config.bound_recursion
+    spec.config = dataclasses.replace(spec.config, cap_drafts=False)
+    assert spec.costs.cap_drafts is False and spec.costs.bound_recursion is False

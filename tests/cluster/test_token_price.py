@@ -113,6 +113,7 @@ def test_within_steps_the_hosts_drift_no_longer_prices_tokens() -> None:
     window, within = StepCosts(K, batch, modules=3), StepCosts(K, batch, modules=3)
     within.tokens.add_draw(0.5e-6)
     for costs in (window, within):
+        costs.cap_drafts = False  # a draft here costs the host 3x a token, which AdaptiveConfig.cap_drafts would cap
         b = costs.bucket(batch)  # the price of a draft below the modules as five probes drew it (test_host_prices.py)
         costs._draft_draws[b].extend([1.5e-6] * costs.DRAFT_DRAWS)
         costs.host_draft_slopes[b] = 1.5e-6
