@@ -94,11 +94,15 @@ def part_means(steps: list[dict[str, float]]) -> list[float]:
 
 
 def parts_table(title: str, rows: dict[str, tuple[float, list[dict[str, float]]]]) -> Table:
-    """rows: per variant (its laps' mean seconds, its steps' parts)."""
-    t = Table(title, ["variant", "steps", "lap us", "step() us", *NAMES, "other", *(f"({n})" for n in INNER)])
+    """rows: per variant (its laps' mean seconds, its steps' parts; a step may also carry 'gc', seconds of garbage
+    collection inside it, and 'faults', minor page faults: what slows every part of a step alike)."""
+    t = Table(title, ["variant", "steps", "lap us", "step() us", *NAMES, "other", *(f"({n})" for n in INNER),
+                      "gc us", "faults"])
     for name, (lap, steps) in rows.items():
         if steps:
             t.add(name, str(len(steps)), f"{lap * 1e6:.0f}",
                   f"{statistics.fmean(s['step'] for s in steps) * 1e6:.0f}",
-                  *(f"{x:.0f}" for x in part_means(steps)))
+                  *(f"{x:.0f}" for x in part_means(steps)),
+                  f"{statistics.fmean(s.get('gc', 0.0) for s in steps) * 1e6:.1f}",
+                  f"{statistics.fmean(s.get('faults', 0.0) for s in steps):.2f}")
     return t

@@ -141,7 +141,7 @@ class PhaseSums:
         last_k = records[0].k if records else 0
         for r, phase, parts in zip(records, cell_phases.phase_of(records, c), self.parts[k].steps):
             if phase == "full" and r.k == last_k and not r.chose:
-                self.full[k].setdefault(r.k, []).append((r.seconds, parts))
+                self.full[k].setdefault(r.k, []).append((r.seconds, {**parts, "gc": r.gc_seconds, "faults": r.faults}))
             extra = (("choosing",) if r.chose else ()) + (("k moved",) if r.k != last_k else ())
             last_k = r.k
             for key in (phase, *extra):

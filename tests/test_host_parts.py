@@ -33,5 +33,6 @@ def test_every_step_is_split_into_parts_within_its_own_time() -> None:
     means = host_parts.part_means(parts.steps)
     assert len(means) == len(host_parts.NAMES) + 1 + len(host_parts.INNER)
     assert means[host_parts.NAMES.index("schedule")] > 0 and means[host_parts.NAMES.index("launch")] > 0
-    table = host_parts.parts_table("t", {"MTP2": (1e-3, parts.steps), "none": (0.0, [])})
+    table = host_parts.parts_table("t", {"MTP2": (1e-3, [{**s, "faults": 2} for s in parts.steps]), "none": (0.0, [])})
     assert [row[0] for row in table.rows] == ["MTP2"]  # a variant without steps is left out
+    assert table.rows[0][-2:] == ["0.0", "2.00"]  # no step carried garbage collection; two faults each
