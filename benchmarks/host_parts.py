@@ -5,7 +5,8 @@ the H200 (session AN), where the CPU's host-only engine showed about 1 %. This s
 own pieces (the scheduler's plan, the launch, the wait for the step in flight and its read-back, the scheduler's
 update, the output path, the cost model's learning, the chooser's preparation) so that two variants' steps at the
 same batch and k can be set side by side part by part. Inner parts (the chooser inside the schedule, the output
-path inside emit, the runner's uniform launch and its read-back) are shown in parentheses, not added again. A part costs two perf_counter calls a call (~0.2 us).
+path inside emit, the runner's uniform launch and its pieces, its read-back) are shown in parentheses, not added
+again. A part costs two perf_counter calls a call (~0.2 us).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def cap_drafts(on: bool) -> Callable[[StepCosts], None]:
 
 
 VARIANTS: dict[str, Callable[[StepCosts], None]] = {"as-is": lambda costs: None, "no-spread": no_spread,
-                                                    "cap-drafts": cap_drafts(True), "uncapped-drafts": cap_drafts(False),
+                                                    "cap-drafts": cap_drafts(True),
+                                                    "uncapped-drafts": cap_drafts(False),
                                                     "window-tokens": window_tokens,
                                                     "bound-recursion": bound_recursion(True),
                                                     "unbound-recursion": bound_recursion(False),

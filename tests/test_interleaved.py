@@ -117,7 +117,8 @@ def test_phases_sum_each_variants_steps_over_its_rounds(capsys: pytest.CaptureFi
 
 
 def test_phases_count_the_steps_whose_k_moved() -> None:
-    """'k moved': the steps whose k was not the step's before, within a cell (the first step of a cell moves nothing)."""
+    """'k moved': the steps whose k was not the step's before, within a cell (the first step of a cell moves
+    nothing)."""
     sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
     sums.sums, sums.full = {"auto": {}}, {"auto": {}}
     for ks in ([2, 2, 3, 3, 2, 2], [3, 3, 3, 2, 2, 2]):  # the second cell starts at another k than the first ended

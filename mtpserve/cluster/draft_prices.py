@@ -82,9 +82,10 @@ class DraftPriceDraws:
 
     def _draft_prices(self, b: int) -> tuple[float, float]:
         """(per draft below the modules, per draft past them) of bucket b's host per request, as b drew them (past
-        the modules as below them until drawn there; bounded, at most as below them once a window or a probe drew that). A
-        bucket a drain passes through too fast to draw its own keeps 0 (docs/adaptive-measurements.md, session AK:
-        borrowing a larger bucket's, tried, moved drain picks to k's whose steps ran slower there)."""
+        the modules as below them until drawn there; bounded, at most as below them once a window or a probe drew
+        that; capped at a token's price). A bucket a drain passes through too fast to draw its own keeps 0
+        (docs/adaptive-measurements.md, session AK: borrowing a larger bucket's, tried, moved drain picks to k's whose
+        steps ran slower there)."""
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         cap = self.tokens.price if self.cap_drafts else None
         if cap is not None:  # see AdaptiveConfig.cap_drafts
