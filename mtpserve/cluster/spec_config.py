@@ -82,7 +82,7 @@ class AdaptiveConfig:
     # result read back; a token all of that and its detokenization, output and block hashing. The probes' draws ran
     # several times what the fixed cells' laps put a draft at: at greedy c = 8 on the H200 the price past the modules
     # stood at 7.7 - 14.9 us a request where fixed k = 4's host share ran 30 us above k = 3's for 8 requests and 4.7
-    # tokens more, about 2 us a draft (run 345). Replayed over 25 cells' dumps (sessions AL - AO), capped picks rated
+    # tokens more, about 2 us a draft (run 345). Replayed over 21 cells' dumps (sessions AL - AO), capped picks rated
     # 0.93 -> 0.98 at T = 1 c = 32 (run 346), 0.95 -> 0.98 and 0.99 at greedy c = 8 and random c = 128 (runs 345,
     # 344), and within 0.007 of uncapped in the other cells (docs/adaptive-measurements.md, session AO).
     cap_drafts: bool = True
