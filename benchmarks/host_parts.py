@@ -35,7 +35,8 @@ TOP_PARTS = (
 INNER_PARTS = (("choose", "scheduler", "_choose_k"), ("detok", "outputs", "process"),
                ("uniform", "executor.runner", "_launch_uniform"), ("finish", "executor.runner", "_finish_uniform"),
                # inside the uniform launch: the batch's slots, the state diffs packed, their upload and scatter, the
-               # result's copy to the host queued (the rest is the graph's lookup, input copy and replay)
+               # result's copy to the host queued (the rest is the graph's lookup, input copy and replay); upload, apply
+               # and stage also run in prefill and general-path steps, which the parts tables leave out
                ("batch", "executor.runner.batches", "of"), ("pack", "executor.runner.diffs", "pack"),
                ("upload", "executor.runner.uniform.staging", "upload"),
                ("apply", "executor.runner.uniform.state", "apply"), ("stage", "executor.runner", "_stage"))
@@ -61,6 +62,7 @@ class HostParts:
             out = step()
             self._now["step"] = time.perf_counter() - t0
             self.steps.append(self._now)
+            self._now = {}  # a wrapped call outside a step (a warm-up's) adds to no recorded step
             return out
 
         engine.step = traced_step

@@ -68,7 +68,8 @@ def draft_prior(share: float) -> Callable[[StepCosts], None]:
 
 def token_price(us: float) -> Callable[[StepCosts], None]:
     """What-if: the host's price of a token fixed at `us` microseconds a request, as if drawn within steps before the
-    replay starts (dumps from before session AM hold no such draws)."""
+    replay starts (dumps from before session AM hold no such draws). With AdaptiveConfig.cap_drafts on (dumps since
+    session AO) it also moves the drafts' cap (token-0 caps nothing)."""
     def patch(costs: StepCosts) -> None:
         costs.tokens.price = us * 1e-6  # whatever the warm-up drew before the model was pickled
         costs.tokens.add_draw = lambda drawn: None  # type: ignore[method-assign]
@@ -77,7 +78,8 @@ def token_price(us: float) -> Callable[[StepCosts], None]:
 
 def window_tokens(costs: StepCosts) -> None:
     """What-if: the token's price drawn across steps, from each bucket's window, as before session AM (each bucket's
-    slope as a fresh model's where the warm-up's fits took the price drawn within steps)."""
+    slope as a fresh model's where the warm-up's fits took the price drawn within steps). No price drawn within
+    steps: the drafts go uncapped (AdaptiveConfig.cap_drafts)."""
     if costs.tokens.price is not None:
         costs.host_slopes = [0.0] * len(costs.host_slopes)
     costs.tokens.price = None

@@ -28,7 +28,7 @@ def test_every_step_is_split_into_parts_within_its_own_time() -> None:
     assert run.num_tokens == 8 * 16 and len(parts.steps) >= 16 // 3  # at least a step per three tokens a request
     for step in parts.steps:
         inside = sum(step.get(name, 0.0) for name in host_parts.NAMES)
-        assert 0 < inside <= step["step"] and step.get("update", 0.0) > 0  # every step reads a result back
+        assert 0 < inside <= step["step"] and step.get("update", 0.0) > 0  # every step's result updates the scheduler
         assert step.get("detok", 0.0) <= step.get("emit", 0.0)  # an inner part lies within its outer one
     means = host_parts.part_means(parts.steps)
     assert len(means) == len(host_parts.NAMES) + 1 + len(host_parts.INNER)

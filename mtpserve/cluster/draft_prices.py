@@ -17,7 +17,8 @@ from mtpserve.cluster.token_price import TokenPrice
 class DraftPriceDraws:
     """StepCosts' part that draws the host's price of a draft. Its state lives on StepCosts, per bucket (a pickled
     model, benchmarks/cost_samples.py, keeps it there): host_draft_slopes, host_recursion_slopes, _draft_draws,
-    _recursion_draws, _recursion_probe, _recursion_paired and _probes, beside the host line's own."""
+    _recursion_draws, _recursion_probe, _recursion_paired and _probes, beside the host line's own; the prices it
+    gives (_draft_prices) are bounded and capped as AdaptiveConfig.bound_recursion and cap_drafts say."""
 
     # Probes behind the host's price of a draft past the modules (see host_recursion_slopes): at greedy c = 256 on the
     # H200 three drew 4.39, 3.99 and 0 us a request, where the fixed cells' steps put it at about 2 (run 332).
@@ -30,7 +31,6 @@ class DraftPriceDraws:
     host_recent: list[deque]
     host_slopes: list[float]
     host_draft_slopes: list[float]
-    draft_drawn: list[bool]
     host_recursion_slopes: list[float | None]
     k_seen: list[list[int]]
     _draft_draws: list[deque]
@@ -78,21 +78,23 @@ class DraftPriceDraws:
             self._draw_recursion(b, drawn, None)
             return
         self._draft_draws[b].append(drawn)
-        self.host_draft_slopes[b], self.draft_drawn[b] = plain_median(self._draft_draws[b]), True
+        self.host_draft_slopes[b] = plain_median(self._draft_draws[b])
 
     def _draft_prices(self, b: int) -> tuple[float, float]:
         """(per draft below the modules, per draft past them) of bucket b's host per request, as b drew them (past
         the modules as below them until drawn there; bounded, at most as below them once a window or a probe drew
-        that; capped at a token's price). A bucket a drain passes through too fast to draw its own keeps 0
+        that above 0; capped at a token's price). A bucket a drain passes through too fast to draw its own keeps 0
         (docs/adaptive-measurements.md, session AK: borrowing a larger bucket's, tried, moved drain picks to k's whose
         steps ran slower there)."""
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         cap = self.tokens.price if self.cap_drafts else None
-        if cap is not None:  # see AdaptiveConfig.cap_drafts
+        if cap:  # see AdaptiveConfig.cap_drafts (a token priced 0, as a floored draw can be, caps nothing)
             per_draft, recursion = min(per_draft, cap), None if recursion is None else min(recursion, cap)
         if recursion is None:
             return per_draft, per_draft
-        if self.bound_recursion and self.draft_drawn[b]:  # see AdaptiveConfig
+        # Bounded where a window or a probe drew a price below the modules above 0: 0 is also what a bucket holds before
+        # any draw and what a floored draw reads, and bounded by it a draft past the modules would cost nothing.
+        if self.bound_recursion and per_draft > 0:  # see AdaptiveConfig
             return per_draft, min(recursion, per_draft)
         return per_draft, recursion
 

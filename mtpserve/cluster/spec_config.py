@@ -69,7 +69,7 @@ class AdaptiveConfig:
     # session AM, where the host's drift read as up to 14 us a token (run 325) and held auto at k = 0 (run 332).
     token_price_within_steps: bool = True
     # The host's price of a draft past the modules at most the price below them, once a window or a probe drew that
-    # (such a draft has no KV group of its own, and the host does the same for it as for any other). Unbounded, the
+    # above 0 (such a draft has no KV group of its own, and the host does the same for it as any other). Unbounded, the
     # probes past the modules drew 10.4 us a request at greedy c = 32 where those below drew 3.8, and the fixed cells'
     # k = 4 cost 4.7 us a request over k = 3 with its extra token: auto ran k = 3 in 96 of 114 full choices at 0.931 of
     # fixed k = 4 (H200, run 339). Bounded only once DRAFT_DRAWS probes had drawn the price below (session AN), the

@@ -90,7 +90,6 @@ class StepCosts(DraftPriceDraws):
         # k itself. At T = 1 on the H100 a step grew 5 us a request and draft at c = 128 and 256 beyond its
         # tokens' price, and priced by tokens alone k = 4 looked best where k = 2 ran 15 % faster (run 124).
         self.host_draft_slopes = [0.0] * nb
-        self.draft_drawn = [False] * nb  # whether a window or a probe has drawn it (else 0 stands for unknown)
         # Per bucket, the host's price per request of a draft past the modules, where a window that held only k's
         # at or past them drew it (auto probing k - 1 there, spec_chooser._probe_down); None: as any draft. Such a
         # draft reruns the last module (no KV group of its own): its price says nothing of a draft below the
@@ -363,6 +362,6 @@ class StepCosts(DraftPriceDraws):
             if not self._recursion_paired[b]:
                 self._draw_recursion(b, drawn, min(ks))
         elif drawn is not None and not self._draft_draws[b]:  # a probe's draw outweighs any window's
-            self.host_draft_slopes[b], self.draft_drawn[b] = drawn, True
+            self.host_draft_slopes[b] = drawn
         per_draft, recursion = self._draft_prices(b)
         return host_fits.within_host(slope, per_draft, recursion, newest, self._draft_price, self.HOST_KEPT)

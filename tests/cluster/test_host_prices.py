@@ -294,15 +294,14 @@ def test_a_probe_is_void_where_another_k_runs_and_draws_nothing_from_too_few_ste
 
 def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them() -> None:
     """AdaptiveConfig.bound_recursion: a draft past the modules has no KV group of its own, so its price (drawn 4 us
-    here) is held to the price of a draft below them (2 us) once a window or probes drew that (0 until then stands for
-    unknown, not for free)."""
+    here) is held to the price of a draft below them (2 us) once a window or probes drew that above 0 (0 is what a
+    bucket holds before any draw, and what a floored draw reads: bounded by it, drafts past the modules were free)."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
     b = costs.bucket(8)
     costs.host_recursion_slopes[b] = 4e-6  # settled by probes past the modules
-    costs.host_draft_slopes[b] = 2e-6
     assert costs.bound_recursion  # on by default
-    assert costs._draft_prices(b) == (2e-6, 4e-6)  # not drawn below the modules yet
-    costs.draft_drawn[b] = True  # a window's draw: no probe below the modules has drawn it yet
+    assert costs._draft_prices(b) == (0.0, 4e-6)  # nothing drawn below the modules yet: 0 bounds nothing
+    costs.host_draft_slopes[b] = 2e-6  # a window's draw: no probe below the modules has drawn it yet
     costs.bound_recursion = False
     assert costs._draft_prices(b) == (2e-6, 4e-6)
     costs.bound_recursion = True
@@ -312,6 +311,8 @@ def test_a_bounded_price_past_the_modules_is_at_most_the_one_below_them() -> Non
     assert costs._draft_prices(b) == (3e-6, 3e-6)
     costs.host_recursion_slopes[b] = 1e-6
     assert costs._draft_prices(b) == (3e-6, 1e-6)  # a bound, not a floor
+    costs.host_draft_slopes[b] = 0.0  # a floored draw
+    assert costs._draft_prices(b) == (0.0, 1e-6)
 
 
 def test_a_draft_is_priced_at_most_as_a_token_once_the_token_price_is_drawn() -> None:
@@ -320,7 +321,7 @@ def test_a_draft_is_priced_at_most_as_a_token_once_the_token_price_is_drawn() ->
     at the token's price drawn within steps (3 us), and as drawn until that price is."""
     costs = StepCosts(max_k=4, max_rows=8, modules=3)
     b = costs.bucket(8)
-    costs.host_recursion_slopes[b], costs.host_draft_slopes[b], costs.draft_drawn[b] = 12e-6, 5e-6, True
+    costs.host_recursion_slopes[b], costs.host_draft_slopes[b] = 12e-6, 5e-6
     costs.bound_recursion = False
     assert costs.cap_drafts and costs.tokens.price is None  # on by default; no token price drawn yet
     assert costs._draft_prices(b) == (5e-6, 12e-6)
@@ -328,6 +329,12 @@ def test_a_draft_is_priced_at_most_as_a_token_once_the_token_price_is_drawn() ->
     assert costs._draft_prices(b) == (3e-6, 3e-6)
     costs.host_draft_slopes[b] = 1e-6
     assert costs._draft_prices(b) == (1e-6, 3e-6)  # a cap, not a floor
-    costs.cap_drafts = False
+    costs.bound_recursion = True  # as by default: capped, then bounded by the price below
+    assert costs._draft_prices(b) == (1e-6, 1e-6)
+    costs.tokens.price = 0.0  # a floored token price caps nothing
+    assert costs._draft_prices(b) == (1e-6, 1e-6)
+    costs.bound_recursion = False
+    assert costs._draft_prices(b) == (1e-6, 12e-6)
+    costs.cap_drafts, costs.tokens.price = False, 3e-6
     assert costs._draft_prices(b) == (1e-6, 12e-6)
 
