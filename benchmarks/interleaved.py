@@ -19,8 +19,9 @@ its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). Wit
 an equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the
 last one's time still fits. --dump-samples writes every engine's step-cost samples and auto's choices for
 replay_costs.py; --phases adds each variant's steps by phase, and the host parts of its full-batch steps at each k
-(host_parts.py: the step's own pieces, GC and page faults; "other" also holds the tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those
-AdaptiveConfig fields changed (an A/B of the chooser beside auto as it is, e.g. auto:max_probe_wait=1).
+(host_parts.py: the step's own pieces, GC and page faults; "other" also holds the tracers' own reads). A variant
+"auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig fields changed (an A/B of the chooser beside auto as it
+is, e.g. auto:max_probe_wait=1).
 """
 
 from __future__ import annotations
