@@ -261,3 +261,20 @@ def add_model_prompt_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to serve and where its prompts come from."""
     p.add_argument("--model", default=None, help="checkpoint dir (default: mtpserve/default_model)")
     p.add_argument("--prompts", default="stdlib", help="'stdlib' (held-out functions) or a prompt file")
+
+
+def time_in_place(owner: Any, attr: str, add: Callable[[float], None]) -> None:
+    """Wrap owner.attr in place so that each call's wall seconds go to add(seconds), raised or not (nothing where
+    owner is None or has no such attribute). Callers that look the method up at each call then run the wrapper."""
+    if owner is None or not hasattr(owner, attr):
+        return
+    call = getattr(owner, attr)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            add(time.perf_counter() - t0)
+
+    setattr(owner, attr, timed)

@@ -18,8 +18,9 @@ import pstats
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -73,14 +74,12 @@ class PhaseTimer:
                                   (ex, "execute", "execute (sync)"), (ex, "submit", "submit (launch)"),
                                   (ex, "wait", "wait (device)"),
                                   (engine, "_postprocess", "postprocess")):
-            if hasattr(owner, attr):
-                setattr(owner, attr, self._timed(getattr(owner, attr), name))
+            common.time_in_place(owner, attr, partial(self._add, name))
         adaptive = getattr(engine, "adaptive", None)
         for owner, attr, name in ((engine.outputs, "process", "  outputs"), (sched, "update", "  scheduler update"),
                                   (getattr(adaptive, "acceptance", None), "observe", "    acceptance queue"),
                                   (getattr(adaptive, "acceptance", None), "flush", "    acceptance fold")):
-            if owner is not None and hasattr(owner, attr):
-                setattr(owner, attr, self._timed(getattr(owner, attr), name))
+            common.time_in_place(owner, attr, partial(self._add, name))
         self._by_kind(engine)
         runner = getattr(ex, "runner", None)  # in-process: the parts of a uniform step's launch and read
         for owner, attr, name in ((runner, "_launch_uniform", "  uniform launch"),
@@ -90,18 +89,11 @@ class PhaseTimer:
                                   (getattr(runner, "staging", None), "upload", "      upload"),
                                   (getattr(runner, "staging", None), "download", "    download"),
                                   (torch.cuda.CUDAGraph if runner is not None else None, "replay", "      graph replay")):
-            if owner is not None and hasattr(owner, attr):
-                setattr(owner, attr, self._timed(getattr(owner, attr), name))
+            common.time_in_place(owner, attr, partial(self._add, name))
 
-    def _timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-        def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-                self.calls[name] = self.calls.get(name, 0) + 1
-        return timed
+    def _add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def reset(self) -> None:
         self.seconds.clear()

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from common import Table
+from common import Table, time_in_place
 from mtpserve.cluster.engine import LLMEngine
 
 # (part, owner's path on the engine, attribute): the top-level parts of a step, in the order a step runs them.
@@ -51,9 +51,7 @@ class HostParts:
         self.steps: list[dict[str, float]] = []
         self._now: dict[str, float] = {}
         for part, owner, name in TOP_PARTS + INNER_PARTS:
-            target = _owner(engine, owner)
-            if target is not None and hasattr(target, name):
-                setattr(target, name, self._timed(part, getattr(target, name)))
+            time_in_place(_owner(engine, owner), name, partial(self._add, part))
         step = engine.step
 
         def traced_step() -> Any:
@@ -67,14 +65,8 @@ class HostParts:
 
         engine.step = traced_step
 
-    def _timed(self, part: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self._now[part] = self._now.get(part, 0.0) + time.perf_counter() - t0
-        return timed
+    def _add(self, part: str, seconds: float) -> None:
+        self._now[part] = self._now.get(part, 0.0) + seconds
 
     def start(self) -> None:
         self.steps = []
