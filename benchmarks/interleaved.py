@@ -21,7 +21,8 @@ last one's time still fits. --dump-samples writes every engine's step-cost sampl
 replay_costs.py; --phases adds each variant's steps by phase, and the host parts of its full-batch steps at each k
 (host_parts.py: the step's own pieces, GC and page faults; "other" also holds the tracers' own reads). A variant
 "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig fields changed (an A/B of the chooser beside auto as it
-is, e.g. auto:max_probe_wait=1).
+is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is another engine of that variant ("4,4#b,auto"): its
+ratio to the first, with its interval, is an A/A control of how far two engines of one variant differ.
 """
 
 from __future__ import annotations
@@ -62,15 +63,34 @@ def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed:
     return ratio(list(range(n))), resampled[int(0.05 * draws)], resampled[int(0.95 * draws) - 1]
 
 
+COPY = "#"  # "4#b": another engine of variant 4, an A/A control of how far two engines of one variant differ
+
+
 def parse_variants(text: str) -> list[int | str]:
-    """--ks: draft counts, "auto", and auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields)."""
+    """--ks: draft counts, "auto", auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields), and
+    copies of any of them, "VARIANT#NAME"."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
-    return [part if part.startswith(spec_matrix.AUTO) else int(part) for part in parts]
+    variants = [part if part.startswith(spec_matrix.AUTO) or COPY in part else int(part) for part in parts]
+    for v in variants:
+        if COPY in str(v) and original(v) not in variants:
+            raise SystemExit(f"--ks: {v!r} copies {original(v)!r}, which is not among the variants")
+    if len(set(variants)) != len(variants):
+        raise SystemExit(f"--ks: {text!r} names a variant twice (a second engine of one is VARIANT#NAME)")
+    return variants
+
+
+def original(variant: int | str) -> int | str:
+    """The variant a copy ("4#b") copies; any other variant itself."""
+    if COPY not in str(variant):
+        return variant
+    base = str(variant).split(COPY, 1)[0]
+    return base if base.startswith(spec_matrix.AUTO) else int(base)
 
 
 def speculation(variant: int | str) -> int | str:
     """The requests' num_speculative_tokens in a variant's cells: "auto" for every auto variant."""
-    return spec_matrix.AUTO if str(variant).startswith(spec_matrix.AUTO) else variant
+    base = original(variant)
+    return spec_matrix.AUTO if str(base).startswith(spec_matrix.AUTO) else base
 
 
 def _number(text: str) -> int | float:
@@ -83,6 +103,7 @@ def _number(text: str) -> int | float:
 def tune(engine: LLMEngine, variant: int | str) -> None:
     """An auto variant's AdaptiveConfig overrides, set on its engine's chooser (AdaptiveSpec.config: what the chooser
     reads there, not the acceptance table's copy)."""
+    variant = original(variant)
     if not str(variant).startswith(spec_matrix.AUTO + ":"):
         return
     items = str(variant).split(":", 1)[1].split("+")
@@ -98,7 +119,7 @@ def tune(engine: LLMEngine, variant: int | str) -> None:
 def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks: list[int | str], c: int) -> dict:
     """An engine per variant (spec_matrix's, with the matrix's engine flags), each with an equal share of the GPU's
     memory."""
-    max_k = max((k for k in ks if isinstance(k, int)), default=0)
+    max_k = max((k for k in map(original, ks) if isinstance(k, int)), default=0)
     engines = {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
     for k, engine in engines.items():
         tune(engine, k)
@@ -218,6 +239,20 @@ def table_for(cells: dict[int | str, list[Cell]], c: int) -> Table:
     return t
 
 
+def copies_table(cells: dict[int | str, list[Cell]], c: int) -> Table | None:
+    """Each copy ("4#b") over the variant it copies, paired by round: where two engines of one variant differ by
+    more than the interval, engines differ, and so does a ratio of auto over a fixed k by as much. None: no copy."""
+    copies = [v for v in cells if original(v) != v]
+    if not copies:
+        return None
+    t = Table(f"copies at c = {c}: a second engine of a variant over the first, paired by round (an A/A control)",
+              ["copy", "of", "rounds", "copy / original", "90 % interval"])
+    for v in copies:
+        ratio, low, high = ratio_interval(cells[v], cells[original(v)])
+        t.add(f"MTP{v}", f"MTP{original(v)}", str(len(cells[v])), f"{ratio:.3f}", f"{low:.3f} - {high:.3f}")
+    return t
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     spec_matrix.add_matrix_args(p)
@@ -255,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k, engine in engines.items():
                     log.wrap(engine, f"k={k} c={c}")
             phases = PhaseSums(engines) if args.phases else None
-            tables.append(table_for(run_rounds(args, engines, rounds, c, deadline, log, phases), c))
+            cells = run_rounds(args, engines, rounds, c, deadline, log, phases)
+            tables += [t for t in (table_for(cells, c), copies_table(cells, c)) if t is not None]
             if phases is not None:
                 tables.append(phases.table(c))
                 tables += phases.parts_tables(c)

@@ -60,6 +60,22 @@ def test_an_auto_variant_runs_auto_with_its_config_changed(monkeypatch: pytest.M
     assert tuned.chosen.sum() > 0  # its requests ran as "auto": the chooser chose their steps
 
 
+def test_a_copy_is_another_engine_of_its_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    assert interleaved.parse_variants("1,1#b,auto,auto#2") == [1, "1#b", "auto", "auto#2"]
+    assert [interleaved.speculation(v) for v in ("1#b", "auto#2", "auto:hysteresis=0.1#c")] == [1, "auto", "auto"]
+    assert interleaved.main(["--tiny", "--device", "cpu", "--ks", "1,1#b", "--rounds", "2", "--no-results"]) == 0
+    out = capsys.readouterr().out
+    assert "copies at c = 1" in out
+    copy = next(line.split() for line in out.splitlines() if line.split()[:2] == ["MTP1#b", "MTP1"])
+    assert copy[2] == "2" and 0.5 < float(copy[3]) < 2.0, copy  # two rounds, a ratio of two like engines
+
+
+@pytest.mark.parametrize("ks, message", [("1,2#b", "copies 2, which is not among"), ("1,1", "names a variant twice")])
+def test_a_copy_of_nothing_or_a_variant_named_twice_is_refused(ks: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        interleaved.parse_variants(ks)
+
+
 @pytest.mark.parametrize("variant, message", [("auto:hysteresis", "auto:FIELD=VALUE"),
                                                ("auto:no_such_field=1", "no field ['no_such_field']")])
 def test_a_malformed_auto_variant_is_refused_with_what_is_wrong(variant: str, message: str) -> None:
