@@ -142,6 +142,10 @@ def round_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list]:
     return [prompts[(r % distinct) * n:(r % distinct + 1) * n] for r in range(args.rounds)]
 
 
+CHOOSER_WORKED = 5e-6  # a step whose chooser preparation took longer did a piece of a choice (a call alone: ~1 us)
+IDLE = 4  # steps since the chooser last worked (prepared or chose) from which a step counts as away from its work
+
+
 class PhaseSums:
     """Per variant, its cells' steps summed over rounds by phase (cell_phases.py's: full, partial, prompt, catch-up,
     drain; each step timed by cell_phases.StepTracer): steps, seconds and tokens, and the steps where adaptive
@@ -161,10 +165,12 @@ class PhaseSums:
 
     def add(self, k: int | str, c: int) -> None:
         records = self.tracers[k].records
-        last_k = records[0].k if records else 0
+        last_k, since = (records[0].k if records else 0), IDLE
         for r, phase, parts in zip(records, cell_phases.phase_of(records, c), self.parts[k].steps):
+            since = 0 if r.chose or parts.get("prepare", 0.0) > CHOOSER_WORKED else since + 1
             if phase == "full" and r.k == last_k and not r.chose:
-                self.full[k].setdefault(r.k, []).append((r.seconds, {**parts, "gc": r.gc_seconds, "faults": r.faults}))
+                self.full[k].setdefault(r.k, []).append(
+                    (r.seconds, {**parts, "gc": r.gc_seconds, "faults": r.faults, "since": since}))
             extra = (("choosing",) if r.chose else ()) + (("k moved",) if r.k != last_k else ())
             last_k = r.k
             for key in (phase, *extra):
@@ -186,12 +192,19 @@ class PhaseSums:
         ks = sorted({k for full in self.full.values() for k in full})
         tables = []
         for k in ks:
-            rows = {f"MTP{v}": (sum(x[0] for x in full[k]) / len(full[k]), [x[1] for x in full[k]])
-                    for v, full in self.full.items() if len(full.get(k, ())) >= 10}
+            rows = {f"MTP{v}": full[k] for v, full in self.full.items() if len(full.get(k, ())) >= 10}
+            for v, full in self.full.items():  # auto's steps near its chooser's work and away from it
+                near = [x for x in full.get(k, ()) if x[1]["since"] < IDLE]
+                if speculation(v) == spec_matrix.AUTO and near and len(near) < len(full[k]):
+                    rows[f"MTP{v}, chooser 0-{IDLE - 1} steps back"] = near
+                    rows[f"MTP{v}, chooser {IDLE}+ steps back"] = [x for x in full[k] if x[1]["since"] >= IDLE]
+            rows = {name: (sum(x[0] for x in steps) / len(steps), [x[1] for x in steps])
+                    for name, steps in rows.items() if len(steps) >= 10}
             if len(rows) >= 2:
                 tables.append(host_parts.parts_table(
                     f"host parts at c = {c}, k = {k}: full-batch steps at the k of the step before, no choice "
-                    "made; mean us a step (in parentheses: parts inside those before them)", rows))
+                    "made (auto's also split by the steps since its chooser last prepared or chose); mean us a step (in "
+                    "parentheses: parts inside those before them)", rows))
         return tables
 
 

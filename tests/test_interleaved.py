@@ -147,3 +147,24 @@ def test_phases_count_the_steps_whose_k_moved() -> None:
     assert sums.sums["auto"]["full"][0] == 12
     # Full steps at the k of the step before (the first step of a cell counts as such): their parts, per k.
     assert {k: len(v) for k, v in sums.full["auto"].items()} == {2: 5, 3: 4}
+
+
+def test_autos_same_k_steps_are_split_by_the_steps_since_its_chooser_worked() -> None:
+    """A step whose chooser preparation ran (over CHOOSER_WORKED) or that chose resets the count; auto's rows are
+    split at IDLE steps since, a fixed k's never."""
+    sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
+    sums.sums, sums.full = {"auto": {}, 4: {}}, {"auto": {}, 4: {}}
+    worked = {5, 30}  # the chooser prepared in these steps
+    for v in ("auto", 4):
+        records = [cell_phases.StepRecord(0.001, 4, 0, 5, 4, 0, 0.0, 0) for _ in range(40)]
+        sums.tracers = {v: SimpleNamespace(records=records)}
+        sums.parts = {v: SimpleNamespace(steps=[{"step": 0.001, "prepare": 1e-4 if v == "auto" and i in worked
+                                                 else 1e-6} for i in range(40)])}
+        sums.add(v, 4)
+    since = [parts["since"] for _, parts in sums.full["auto"][4]]
+    assert since[:8] == [5, 6, 7, 8, 9, 0, 1, 2] and since[30:33] == [0, 1, 2]
+    [table] = sums.parts_tables(4)
+    names = [row[0] for row in table.rows]
+    near = sum(1 for s in since if s < interleaved.IDLE)
+    assert names == ["MTPauto", "MTP4", "MTPauto, chooser 0-3 steps back", "MTPauto, chooser 4+ steps back"]
+    assert [row[1] for row in table.rows] == ["40", "40", str(near), str(40 - near)]
