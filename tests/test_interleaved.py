@@ -154,7 +154,7 @@ def test_autos_same_k_steps_are_split_by_the_steps_since_its_chooser_worked() ->
     split at IDLE steps since, a fixed k's never."""
     sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
     sums.sums, sums.full = {"auto": {}, 4: {}}, {"auto": {}, 4: {}}
-    worked = {5, 30}  # the chooser prepared in these steps
+    worked = {5, 20, 30}  # the chooser prepared in these steps
     for v in ("auto", 4):
         records = [cell_phases.StepRecord(0.001, 4, 0, 5, 4, 0, 0.0, 0) for _ in range(40)]
         sums.tracers = {v: SimpleNamespace(records=records)}
