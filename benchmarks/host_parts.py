@@ -6,7 +6,9 @@ own pieces (the scheduler's plan, the launch, the wait for the step in flight an
 update, the output path, the cost model's learning, the chooser's preparation) so that two variants' steps at the
 same batch and k can be set side by side part by part. Inner parts (the chooser inside the schedule, the output
 path inside emit, the runner's uniform launch and its pieces, its read-back) are shown in parentheses, not added
-again. A part costs two perf_counter calls a call (~0.2 us).
+again. A part costs two perf_counter calls a call (~0.2 us). Every PROBE_EVERY-th step is followed by a probe of the
+core's own speed (core_probe, about 10 us, counted in the next step's lap in every variant alike): where a variant's
+steps run slower part by part but its probes do not, the core was not the slower, its work was.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ INNER_PARTS = (("choose", "scheduler", "_choose_k"), ("detok", "outputs", "proce
                ("upload", "executor.runner.uniform.staging", "upload"),
                ("apply", "executor.runner.uniform.state", "apply"), ("stage", "executor.runner", "_stage"))
 INNER = tuple(part for part, _, _ in INNER_PARTS)
+PROBE_EVERY = 8  # steps between two probes of the core's own speed (core_probe), run after a step
 NAMES = ("schedule", "launch", "prepare", "wait", "update", "emit", "learn")
 
 
@@ -59,6 +62,8 @@ class HostParts:
             t0 = time.perf_counter()
             out = step()
             self._now["step"] = time.perf_counter() - t0
+            if len(self.steps) % PROBE_EVERY == 0:
+                self._now["probe"] = core_probe()
             self.steps.append(self._now)
             self._now = {}  # a wrapped call outside a step (a warm-up's) adds to no recorded step
             return out
@@ -70,6 +75,17 @@ class HostParts:
 
     def start(self) -> None:
         self.steps = []
+
+
+def core_probe() -> float:
+    """Seconds of a fixed piece of plain Python (about 10 us) that touches none of the engine's data: set beside a
+    variant's steps, it says whether the core itself ran slower in that variant's cells (its clock, a neighbour) or
+    only the engine's own code did (what it reads and where that lies)."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(400):
+        total += i * i
+    return time.perf_counter() - t0
 
 
 def _owner(engine: LLMEngine, path: str) -> Any:
@@ -90,14 +106,21 @@ def part_means(steps: list[dict[str, float]]) -> list[float]:
 
 def parts_table(title: str, rows: dict[str, tuple[float, list[dict[str, float]]]]) -> Table:
     """rows: per variant (its laps' mean seconds, its steps' parts; a step may also carry 'gc', seconds of garbage
-    collection inside it, and 'faults', minor page faults: what slows every part of a step alike)."""
+    collection inside it, 'faults', minor page faults, and 'probe', a core_probe's seconds after it: what slows every
+    part of a step alike)."""
     t = Table(title, ["variant", "steps", "lap us", "step() us", *NAMES, "other", *(f"({n})" for n in INNER),
-                      "gc us", "faults"])
+                      "gc us", "faults", "probe us"])
     for name, (lap, steps) in rows.items():
         if steps:
             t.add(name, str(len(steps)), f"{lap * 1e6:.0f}",
                   f"{statistics.fmean(s['step'] for s in steps) * 1e6:.0f}",
                   *(f"{x:.0f}" for x in part_means(steps)),
                   f"{statistics.fmean(s.get('gc', 0.0) for s in steps) * 1e6:.1f}",
-                  f"{statistics.fmean(s.get('faults', 0.0) for s in steps):.2f}")
+                  f"{statistics.fmean(s.get('faults', 0.0) for s in steps):.2f}",
+                  _probe_cell([s["probe"] for s in steps if "probe" in s]))
     return t
+
+
+def _probe_cell(probes: list[float]) -> str:
+    """The median probe in us (a median: a probe the OS interrupts runs many times over), "-" where none ran."""
+    return f"{statistics.median(probes) * 1e6:.2f}" if probes else "-"

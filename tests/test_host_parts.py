@@ -35,4 +35,13 @@ def test_every_step_is_split_into_parts_within_its_own_time() -> None:
     assert means[host_parts.NAMES.index("schedule")] > 0 and means[host_parts.NAMES.index("launch")] > 0
     table = host_parts.parts_table("t", {"MTP2": (1e-3, [{**s, "faults": 2} for s in parts.steps]), "none": (0.0, [])})
     assert [row[0] for row in table.rows] == ["MTP2"]  # a variant without steps is left out
-    assert table.rows[0][-2:] == ["0.0", "2.00"]  # no step carried garbage collection; two faults each
+    assert table.rows[0][-3:-1] == ["0.0", "2.00"]  # no step carried garbage collection; two faults each
+    probed = [i for i, step in enumerate(parts.steps) if "probe" in step]
+    assert probed == list(range(0, len(parts.steps), host_parts.PROBE_EVERY))  # every PROBE_EVERY-th, from the first
+    assert all(0 < parts.steps[i]["probe"] < 0.05 for i in probed)
+    assert float(table.rows[0][-1]) > 0
+
+
+def test_a_row_without_probes_shows_none() -> None:
+    table = host_parts.parts_table("t", {"MTP1": (1e-3, [{"step": 1e-3, "schedule": 1e-4}])})
+    assert table.rows[0][-1] == "-"
