@@ -21,8 +21,9 @@ last one's time still fits. --dump-samples writes every engine's step-cost sampl
 replay_costs.py; --phases adds each variant's steps by phase, and the host parts of its full-batch steps at each k
 (host_parts.py: the step's own pieces, GC, page faults and a probe of the core's own speed; "other" also holds the
 tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig fields changed (an A/B
-of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is another engine of that variant ("4,4#b,auto"): its
-ratio to the first, with its interval, is an A/A control of how far two engines of one variant differ.
+of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is another engine of that
+variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how far two engines of one
+variant differ.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def parse_variants(text: str) -> list[int | str]:
     """--ks: draft counts, "auto", auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields), and
     copies of any of them, "VARIANT#NAME"."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [part for part in parts if not str(original(part)).startswith(spec_matrix.AUTO)
+           and not str(original(part)).isdigit()]
+    if bad:
+        raise SystemExit(f"--ks: {bad}: a variant is a draft count, auto, auto:FIELD=VALUE[+...] or VARIANT#NAME")
     variants = [part if part.startswith(spec_matrix.AUTO) or COPY in part else int(part) for part in parts]
     for v in variants:
         if COPY in str(v) and original(v) not in variants:
@@ -84,7 +89,7 @@ def original(variant: int | str) -> int | str:
     if COPY not in str(variant):
         return variant
     base = str(variant).split(COPY, 1)[0]
-    return base if base.startswith(spec_matrix.AUTO) else int(base)
+    return int(base) if base.isdigit() else base
 
 
 def speculation(variant: int | str) -> int | str:

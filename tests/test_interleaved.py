@@ -70,7 +70,8 @@ def test_a_copy_is_another_engine_of_its_variant(capsys: pytest.CaptureFixture[s
     assert copy[2] == "2" and 0.5 < float(copy[3]) < 2.0, copy  # two rounds, a ratio of two like engines
 
 
-@pytest.mark.parametrize("ks, message", [("1,2#b", "copies 2, which is not among"), ("1,1", "names a variant twice")])
+@pytest.mark.parametrize("ks, message", [("1,2#b", "copies 2, which is not among"), ("1,1", "names a variant twice"),
+                                         ("1,x#b,two", r"\['x#b', 'two'\]: a variant is a draft count")])
 def test_a_copy_of_nothing_or_a_variant_named_twice_is_refused(ks: str, message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         interleaved.parse_variants(ks)
