@@ -23,7 +23,9 @@ replay_costs.py; --phases adds each variant's steps by phase, and the host parts
 tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig fields changed (an A/B
 of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is another engine of that
 variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how far two engines of one
-variant differ.
+variant differ. A variant "K@VARIANT" runs k = K's requests on that variant's engine ("4,auto,4@auto": fixed k = 4 on
+auto's engine, whose cost model then also learns from them): set beside 4, it says whether a slower step follows the
+engine or auto's requests.
 """
 
 from __future__ import annotations
@@ -65,31 +67,45 @@ def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed:
 
 
 COPY = "#"  # "4#b": another engine of variant 4, an A/A control of how far two engines of one variant differ
+SHARE = "@"  # "4@auto": k = 4's requests on the auto variant's engine: does a slower step follow the engine or the k?
 
 
 def parse_variants(text: str) -> list[int | str]:
-    """--ks: draft counts, "auto", auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields), and
-    copies of any of them, "VARIANT#NAME"."""
+    """--ks: draft counts, "auto", auto's variants "auto:FIELD=VALUE[+FIELD=VALUE...]" (AdaptiveConfig fields),
+    copies of any of them, "VARIANT#NAME", and "K@VARIANT", a draft count's requests on another variant's engine."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     bad = [part for part in parts if not str(original(part)).startswith(spec_matrix.AUTO)
-           and not str(original(part)).isdigit()]
+           and not str(original(part)).isdigit() or SHARE in part and not part.split(SHARE, 1)[0].isdigit()]
     if bad:
-        raise SystemExit(f"--ks: {bad}: a variant is a draft count, auto, auto:FIELD=VALUE[+...] or VARIANT#NAME")
-    variants = [part if part.startswith(spec_matrix.AUTO) or COPY in part else int(part) for part in parts]
+        raise SystemExit(f"--ks: {bad}: a variant is a draft count, auto, auto:FIELD=VALUE[+...], VARIANT#NAME or "
+                         "K@VARIANT")
+    variants = [part if part.startswith(spec_matrix.AUTO) or COPY in part or SHARE in part else int(part)
+                for part in parts]
     for v in variants:
         if COPY in str(v) and original(v) not in variants:
             raise SystemExit(f"--ks: {v!r} copies {original(v)!r}, which is not among the variants")
+        if SHARE in str(v) and (host(v) not in variants or SHARE in str(host(v))):
+            raise SystemExit(f"--ks: {v!r} runs on {host(v)!r}'s engine: name that variant too, with its own engine")
     if len(set(variants)) != len(variants):
         raise SystemExit(f"--ks: {text!r} names a variant twice (a second engine of one is VARIANT#NAME)")
     return variants
 
 
 def original(variant: int | str) -> int | str:
-    """The variant a copy ("4#b") copies; any other variant itself."""
-    if COPY not in str(variant):
+    """The variant a copy ("4#b") copies, or whose requests a shared variant ("4@auto") runs; any other itself."""
+    marks = [str(variant).find(m) for m in (COPY, SHARE) if m in str(variant)]
+    if not marks:
         return variant
-    base = str(variant).split(COPY, 1)[0]
+    base = str(variant)[:min(marks)]
     return int(base) if base.isdigit() else base
+
+
+def host(variant: int | str) -> int | str:
+    """The variant whose engine runs this one's cells: "4@auto" runs on auto's; any other on its own."""
+    if SHARE not in str(variant):
+        return variant
+    name = str(variant).split(SHARE, 1)[1]
+    return int(name) if name.isdigit() else name
 
 
 def speculation(variant: int | str) -> int | str:
@@ -123,12 +139,18 @@ def tune(engine: LLMEngine, variant: int | str) -> None:
 
 def build_engines(args: argparse.Namespace, device: torch.device, tmp: Path, ks: list[int | str], c: int) -> dict:
     """An engine per variant (spec_matrix's, with the matrix's engine flags), each with an equal share of the GPU's
-    memory."""
+    memory; a shared variant ("4@auto") gets its host's."""
     max_k = max((k for k in map(original, ks) if isinstance(k, int)), default=0)
-    engines = {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(ks)) for k in ks}
+    own = [k for k in ks if host(k) == k]
+    engines = {k: spec_matrix.build_engine(args, device, tmp, c, max_k, memory_share=1.0 / len(own)) for k in own}
     for k, engine in engines.items():
         tune(engine, k)
-    return engines
+    return {k: engines[host(k)] for k in ks}
+
+
+def distinct(engines: dict) -> dict:
+    """Per engine, the first variant that runs on it (shared variants run on their host's)."""
+    return {id(engine): k for k, engine in reversed(list(engines.items()))}
 
 
 PROMPT_POOL = 600  # distinct prompts at most: the stdlib source holds about 650 held-out functions
@@ -158,8 +180,11 @@ class PhaseSums:
     phase auto's time goes where a fixed k's does not."""
 
     def __init__(self, engines: dict) -> None:
-        self.tracers = {k: cell_phases.StepTracer(engine) for k, engine in engines.items()}
-        self.parts = {k: host_parts.HostParts(engine) for k, engine in engines.items()}  # wraps the tracer's step
+        # One tracer an engine, shared by the variants that run on it (each cell starts it afresh).
+        tracers = {key: cell_phases.StepTracer(engines[k]) for key, k in distinct(engines).items()}
+        parts = {key: host_parts.HostParts(engines[k]) for key, k in distinct(engines).items()}  # wraps the tracer
+        self.tracers = {k: tracers[id(engine)] for k, engine in engines.items()}
+        self.parts = {k: parts[id(engine)] for k, engine in engines.items()}
         self.sums: dict[int | str, dict[str, list[float]]] = {k: {} for k in engines}
         # Per variant and k, its full-batch steps' (lap, parts), the k unchanged from the step before.
         self.full: dict[int | str, dict[int, list[tuple[float, dict[str, float]]]]] = {k: {} for k in engines}
@@ -208,8 +233,8 @@ class PhaseSums:
             if len(rows) >= 2:
                 tables.append(host_parts.parts_table(
                     f"host parts at c = {c}, k = {k}: full-batch steps at the k of the step before, no choice "
-                    "made (auto's also split by the steps since its chooser last prepared or chose); mean us a step (in "
-                    "parentheses: parts inside those before them)", rows))
+                    "made (auto's also split by the steps since its chooser last prepared or chose); mean us a step "
+                    "(in parentheses: parts inside those before them)", rows))
         return tables
 
 
@@ -258,13 +283,15 @@ def table_for(cells: dict[int | str, list[Cell]], c: int) -> Table:
 
 
 def copies_table(cells: dict[int | str, list[Cell]], c: int) -> Table | None:
-    """Each copy ("4#b") over the variant it copies, paired by round: where two engines of one variant differ by
-    more than the interval, engines differ, and so does a ratio of auto over a fixed k by as much. None: no copy."""
-    copies = [v for v in cells if original(v) != v]
+    """Each copy ("4#b", or "4@auto": k = 4's requests on auto's engine) over the variant it copies, paired by round:
+    where two engines of one variant differ by more than the interval, engines differ, and so does a ratio of auto
+    over a fixed k by as much. None: no copy."""
+    copies = [v for v in cells if original(v) != v and original(v) in cells]
     if not copies:
         return None
-    t = Table(f"copies at c = {c}: a second engine of a variant over the first, paired by round (an A/A control)",
-              ["copy", "of", "rounds", "copy / original", "90 % interval"])
+    t = Table(f"copies at c = {c}: a variant's requests on another engine over on its own, paired by round (an A/A "
+              "control; K@VARIANT: on that variant's engine)", ["copy", "of", "rounds", "copy / original",
+                                                                 "90 % interval"])
     for v in copies:
         ratio, low, high = ratio_interval(cells[v], cells[original(v)])
         t.add(f"MTP{v}", f"MTP{original(v)}", str(len(cells[v])), f"{ratio:.3f}", f"{low:.3f} - {high:.3f}")
@@ -304,17 +331,17 @@ def main(argv: list[str] | None = None) -> int:
                 warm = spec_matrix.matrix_jobs(args, rounds[0], speculation(k), n, args.max_tokens)
                 workloads.drive(engine, warm, c, f"warm{k}c{c}")
             notes.append(f"c={c}: {n} requests a cell; {spec_matrix.pin_driver(args, device)}")
-            if log is not None:
-                for k, engine in engines.items():
-                    log.wrap(engine, f"k={k} c={c}")
+            if log is not None:  # an engine once: a shared variant's samples go to its host's engine's model
+                for k in distinct(engines).values():
+                    log.wrap(engines[k], f"k={k} c={c}")
             phases = PhaseSums(engines) if args.phases else None
             cells = run_rounds(args, engines, rounds, c, deadline, log, phases)
             tables += [t for t in (table_for(cells, c), copies_table(cells, c)) if t is not None]
             if phases is not None:
                 tables.append(phases.table(c))
                 tables += phases.parts_tables(c)
-            for engine in engines.values():
-                engine.shutdown()
+            for k in distinct(engines).values():
+                engines[k].shutdown()
     if log is not None:
         log.write(args.dump_samples)
     notes.append(f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.workload} prompts, "

@@ -169,3 +169,33 @@ def test_autos_same_k_steps_are_split_by_the_steps_since_its_chooser_worked() ->
     near = sum(1 for s in since if s < interleaved.IDLE)
     assert names == ["MTPauto", "MTP4", "MTPauto, chooser 0-3 steps back", "MTPauto, chooser 4+ steps back"]
     assert [row[1] for row in table.rows] == ["40", "40", str(near), str(40 - near)]
+
+
+def test_a_shared_variant_runs_its_k_on_another_variants_engine(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert interleaved.parse_variants("1,auto,1@auto") == [1, "auto", "1@auto"]
+    assert interleaved.parse_variants("1,auto,auto#b,1@auto#b") == [1, "auto", "auto#b", "1@auto#b"]  # a copy's own
+    assert (interleaved.speculation("1@auto"), interleaved.host("1@auto"), interleaved.host(1)) == (1, "auto", 1)
+    built = {}
+    build = interleaved.build_engines
+
+    def keep(*args, **kwargs):
+        built.update(build(*args, **kwargs))
+        return built
+
+    monkeypatch.setattr(interleaved, "build_engines", keep)
+    assert interleaved.main(["--tiny", "--device", "cpu", "--ks", "1,auto,1@auto", "--rounds", "2", "--phases",
+                             "--no-results"]) == 0
+    assert built["1@auto"] is built["auto"] and built[1] is not built["auto"]  # two engines for three variants
+    out = capsys.readouterr().out
+    shared = next(line.split() for line in out.splitlines() if line.split()[:2] == ["MTP1@auto", "MTP1"])
+    assert shared[2] == "2"  # its cells over fixed k = 1's own, paired by round
+    phases = out.split("phases at c = 1")[1]
+    assert any(line.split()[:1] == ["MTP1@auto"] and "/" in line for line in phases.splitlines())
+
+
+@pytest.mark.parametrize("ks, message", [("1,1@2", "runs on 2's engine"), ("1,auto,1@auto#b", "runs on 'auto#b'"),
+                                         ("1,auto,auto@1", "a variant is a draft count")])
+def test_a_shared_variant_needs_its_host_among_the_variants(ks: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        interleaved.parse_variants(ks)
