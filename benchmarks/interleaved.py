@@ -79,8 +79,7 @@ def parse_variants(text: str) -> list[int | str]:
     if bad:
         raise SystemExit(f"--ks: {bad}: a variant is a draft count, auto, auto:FIELD=VALUE[+...], VARIANT#NAME or "
                          "K@VARIANT")
-    variants = [part if part.startswith(spec_matrix.AUTO) or COPY in part or SHARE in part else int(part)
-                for part in parts]
+    variants = [_variant(part) for part in parts]
     for v in variants:
         if COPY in str(v) and original(v) not in variants:
             raise SystemExit(f"--ks: {v!r} copies {original(v)!r}, which is not among the variants")
@@ -96,16 +95,19 @@ def original(variant: int | str) -> int | str:
     marks = [str(variant).find(m) for m in (COPY, SHARE) if m in str(variant)]
     if not marks:
         return variant
-    base = str(variant)[:min(marks)]
-    return int(base) if base.isdigit() else base
+    return _variant(str(variant)[:min(marks)])
 
 
 def host(variant: int | str) -> int | str:
     """The variant whose engine runs this one's cells: "4@auto" runs on auto's; any other on its own."""
     if SHARE not in str(variant):
         return variant
-    name = str(variant).split(SHARE, 1)[1]
-    return int(name) if name.isdigit() else name
+    return _variant(str(variant).split(SHARE, 1)[1])
+
+
+def _variant(text: str) -> int | str:
+    """A variant as --ks names it: a draft count as an int, any other as its text."""
+    return int(text) if text.isdigit() else text
 
 
 def speculation(variant: int | str) -> int | str:
