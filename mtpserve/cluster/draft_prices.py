@@ -98,6 +98,14 @@ class DraftPriceDraws:
             return per_draft, min(recursion, per_draft)
         return per_draft, recursion
 
+    def dearest_recursion(self, b: int) -> float | None:
+        """The most bucket b's price of a draft past the modules can stand at, however its probes draw it (line units):
+        a token's price where capped (cap_drafts), at most the price below the modules where bounded; None: no bound."""
+        per_draft, _ = self._draft_prices(b)  # capped already where capped
+        if self.bound_recursion and per_draft > 0:
+            return per_draft
+        return self.tokens.price if self.cap_drafts and self.tokens.price else None
+
     def _draw_recursion(self, b: int, drawn: float, probed: int | None) -> None:
         """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed` (None: a
         paired probe drew it, each one a draw of its own): a new draw where that k was sampled since the last draw's

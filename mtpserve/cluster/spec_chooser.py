@@ -30,7 +30,7 @@ import numpy as np
 from mtpserve.cluster.acceptance import AcceptanceTable
 from mtpserve.cluster.paired_probe import SIDE
 from mtpserve.cluster.spec_config import AdaptiveConfig
-from mtpserve.cluster.spec_rate import choose_k
+from mtpserve.cluster.spec_rate import choose_k, rates
 from mtpserve.cluster.step_costs import StepCosts
 
 
@@ -168,7 +168,7 @@ class AdaptiveSpec:
             self._back_off(origin, current, k)
             probe = self._probe_up(k, gains)
             if probe == k:
-                probe = self._probe_down(k, rows.size, floor)
+                probe = self._probe_down(k, rows.size, floor, (batch, gains, base))
             self._probed_from = k if probe != k else -1
             k = probe
             # The dwell paces every full choice, kept k or not (a choice that kept k once reset nothing, so the
@@ -349,7 +349,7 @@ class AdaptiveSpec:
         t.drafted_at[k] = t.now
         return k + 1
 
-    def _probe_down(self, k: int, batch: int, floor: int) -> int:
+    def _probe_down(self, k: int, batch: int, floor: int, priced: tuple[int, list[float], float] | None = None) -> int:
         """k - 1 for one dwell where the choice stays at k and the bucket's host line has seen k alone for
         HOST_WINDOW samples (past the modules, SIDE): a window of one k cannot draw what a draft costs the host,
         which then priced every k at the host level of its own. At c = 128 on the H100, auto dwelt on k = 4 while
@@ -366,7 +366,9 @@ class AdaptiveSpec:
         Not where a fixed request runs k or more (floor): the step would still run k. Probes of a bucket are `due`
         steps apart however many samples they gave (steps with prompt chunks are not timed). Nor where that price
         cannot move k's cost or k - 1's (StepCosts.draft_price_moot: the host waits for the device at both): at
-        c = 1, greedy on the H200 such probes ran 3 % of auto's steps at k = 3 (16 a cell of about 500, run 275)."""
+        c = 1, greedy on the H200 such probes ran 3 % of auto's steps at k = 3 (16 a cell of about 500, run 275). Nor,
+        past the modules, where no price that draft can stand at would make k - 1 win (`priced`: (batch, gains, base)
+        of the choice; see _wins_at_dearest)."""
         if k != self.k or k - 1 < floor or self.costs.draft_price_moot(batch, k, self.greedy):
             return k
         costs, now, bucket = self.costs, self.acceptance.now, self.costs.bucket(batch)
@@ -380,8 +382,24 @@ class AdaptiveSpec:
         if costs.one_k_run(batch, k) < (SIDE if past else due) or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now
+        moot = past and priced is not None and self.config.skip_moot_probes
+        if moot and self._wins_at_dearest(k, batch, floor, *priced):  # see AdaptiveConfig.skip_moot_probes
+            return k  # looked at again `due` steps on
         costs.begin_probe(batch, k)  # drawn A/B/A from its steps and those at k around it
         return k - 1
+
+    def _wins_at_dearest(self, k: int, rows: int, floor: int, batch: int, gains: list[float], base: float) -> bool:
+        """Whether k keeps the best rate of every k up to it with each draft past the modules priced at the most its
+        price can stand at (StepCosts.dearest_costs: a draft costs the host at most a token, cap_drafts): then no
+        probe of k - 1 can move the choice, and one costs its steps' tokens and three full choices. At greedy c = 8 on
+        the H200, where every full choice kept k = 4, such probes ran 456 of its learned steps at k = 3, 8-13 % fewer
+        tokens a ms there (run 352). `batch`, `gains`, `base`: as the choice priced them for its `rows` requests."""
+        scale = batch / max(rows, 1)
+        cost = self.costs.dearest_costs(batch, [g * scale for g in accumulate(gains, initial=base)], self.greedy)
+        if cost is None:
+            return False
+        rate = rates(gains, base, floor, cost)
+        return rate[k] >= max(rate[:k])
 
     def estimates(self) -> list[float]:
         """The engine-wide acceptance estimate per draft position (for metrics), as of the last fold: at

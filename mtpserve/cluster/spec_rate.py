@@ -15,6 +15,13 @@ def expected_tokens(p: np.ndarray) -> np.ndarray:
     return np.concatenate((np.ones((p.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(p, axis=1), axis=1)), axis=1)
 
 
+def rates(gains: Sequence[float], base: float, floor: int, cost: Sequence[float]) -> list[float]:
+    """[K + 1] the batch's expected tokens per second at each k (choose_k's arguments)."""
+    cost = cost.tolist() if isinstance(cost, np.ndarray) else cost
+    tokens = accumulate(gains[: len(cost) - 1], initial=base)
+    return [t / cost[max(k, floor)] for k, t in enumerate(tokens)]
+
+
 def choose_k(gains: Sequence[float], base: float, floor: int, cost: Sequence[float], current: int,
              hysteresis: float = 0.0, modules: int | None = None, free_hysteresis: float = 0.0) -> int:
     """The step's k in 0..K maximising expected tokens per second of the batch.
@@ -28,9 +35,7 @@ def choose_k(gains: Sequence[float], base: float, floor: int, cost: Sequence[flo
     up. Plain Python over K + 1 floats (numpy calls on this cold path cost several microseconds each inside the
     engine).
     """
-    cost = cost.tolist() if isinstance(cost, np.ndarray) else cost
-    tokens = list(accumulate(gains[: len(cost) - 1], initial=base))
-    rate = [t / cost[max(k, floor)] for k, t in enumerate(tokens)]
+    rate = rates(gains, base, floor, cost)
     best = max(range(len(rate)), key=rate.__getitem__)  # the first of equal rates, as argmax
     if 0 <= current < len(rate):
         free = modules is not None and min(best, current) >= modules

@@ -185,12 +185,13 @@ class StepCosts(DraftPriceDraws):
         b = self.bucket(batch)
         return self.modes[greedy].timed(b, k) or (greedy, b, k) in self._idle_timed
 
-    def costs(self, batch: int, tokens: np.ndarray | None = None, greedy: bool = True, refit: bool = True
-              ) -> np.ndarray:
+    def costs(self, batch: int, tokens: np.ndarray | list[float] | None = None, greedy: bool = True,
+              refit: bool = True, recursion: float | None = None) -> np.ndarray:
         """[K + 1] seconds of a step at each k for this batch size and sampling mode, emitting tokens[k] tokens
         (None: the host's share as it is now at every k; a unitless prior before any timing). refit=False: the
-        host line as last fitted, even where a refit is due (newcomers' choices, whose prefill step runs alone)."""
-        device, fit, gaps = self._device(batch, greedy), self._host_fit(batch, refit), self._gaps(batch)
+        host line as last fitted, even where a refit is due (newcomers' choices, whose prefill step runs alone).
+        recursion: the host's price of a draft past the modules (line units) instead of the bucket's own."""
+        device, fit, gaps = self._device(batch, greedy), self._host_fit(batch, refit, recursion), self._gaps(batch)
         if tokens is None:
             host, spread = [fit[3]] * len(device), [1.0]
         else:
@@ -199,6 +200,16 @@ class StepCosts(DraftPriceDraws):
             return np.array(host_fits.means_of_max(host, [d + g for d, g in zip(device, gaps)], spread))
         mean_spread = sum(spread) / len(spread)
         return np.array([h * mean_spread + d for h, d in zip(host, device)])
+
+    def dearest_costs(self, batch: int, tokens: np.ndarray | list[float], greedy: bool = True) -> np.ndarray | None:
+        """costs() with each draft past the modules priced at the most its price can stand at (dearest_recursion),
+        the host line as last fitted; None where nothing bounds that price (no token price drawn, nothing below) or
+        the line was never fitted."""
+        b = self._sampled_bucket(batch)
+        dearest = None if b is None or not self._fitted_at[b] else self.dearest_recursion(b)
+        if dearest is None:
+            return None
+        return self.costs(batch, tokens, greedy, refit=False, recursion=dearest)
 
     def refit(self, batch: int) -> None:
         """Fit the host line of this batch's bucket again where that is due (see _host_fit): a step ahead of a full
@@ -279,7 +290,8 @@ class StepCosts(DraftPriceDraws):
         m = self.modules
         return [per_draft * min(k, m) + recursion * max(k - m, 0) for k in range(self.max_k + 1)]
 
-    def _host_fit(self, batch: int, refit: bool = True) -> tuple[float, float, list[float], float, list[float]]:
+    def _host_fit(self, batch: int, refit: bool = True, recursion: float | None = None
+                  ) -> tuple[float, float, list[float], float, list[float]]:
         """(a, b, price, median, spread): seconds = a + b * tokens + batch * price[k], price[k] = c * k (c past the
         modules where drawn there: see host_recursion_slopes). The line is drawn per request (host / batch against
         tokens / batch and k): through the raw pairs of a draining batch it had read 0.014 ms a token from above
@@ -301,7 +313,8 @@ class StepCosts(DraftPriceDraws):
         if refit:
             self._refit(b)
         newest = self._at_batch(b, batch) or self._newest(b)
-        (slope, per_draft, recursion), base = self._slopes[b], self._bases[b]
+        (slope, per_draft, drawn), base = self._slopes[b], self._bases[b]
+        recursion = drawn if recursion is None else recursion
         price = [max(p, 0.0) for p in self._draft_price(per_draft, recursion)]
         speeds = host_fits.speeds(newest, base, slope, price)
         speed = lower_median(speeds)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import numpy as np
 
@@ -330,6 +331,32 @@ def test_past_the_modules_a_settled_price_is_probed_again_wherever_k_ran_a_probe
     assert costs.one_k_run(8, 4) == SIDE < spec.config.probe_after
     assert spec._probe_down(4, 8, floor=0) == 3
     assert spec._probe_down(4, 8, floor=0) == 4  # the next one probe_after steps on
+
+
+def _due_probe_down(fourth: float, token_price: float | None = 3e-6) -> int:
+    """The choice of k = 4 past 3 modules at greedy c = 8, a probe of k - 1 due, the fourth draft accepted at
+    `fourth` after three at 0.95, the host's price of a token drawn at `token_price` (None: not drawn)."""
+    spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=8, modules=3, probe_after=64))
+    costs = spec.costs
+    costs.host_recursion_slopes[costs.bucket(8)] = 1e-6  # settled by earlier probes
+    costs.tokens.price = token_price
+    for k, n in ((3, 40), (4, SIDE)):
+        for _ in range(n):
+            spec.acceptance.now += 1
+            costs.observe(8, k, 1e-4, host=8 * 30e-6, tokens=8 * (1 + 0.8 * k))
+    costs.refit(8)  # as the steps before a full choice fit it (AdaptiveSpec._prepare)
+    spec.k = 4
+    reach = itertools.accumulate([0.95, 0.95, 0.95, fourth], operator.mul)
+    return spec._probe_down(4, 8, floor=0, priced=(8, [8 * r for r in reach], 8.0))
+
+
+def test_no_probe_past_the_modules_where_k_wins_with_its_drafts_priced_as_tokens() -> None:
+    """A draft costs the host at most a token (cap_drafts): where k = 4 keeps the best rate with its draft past the
+    modules at that price, no draw can move the choice, and a probe costs its steps' tokens and three full choices
+    (greedy c = 8 on the H200: 456 of auto's learned steps at k = 3, 8-13 % fewer tokens a ms, run 352)."""
+    assert _due_probe_down(fourth=0.95) == 4
+    assert _due_probe_down(fourth=0.05) == 3  # the fourth draft pays about as much as it may cost: probed
+    assert _due_probe_down(fourth=0.95, token_price=None) == 3  # nothing bounds the price: probed
 
 
 def test_settings_the_step_costs_read_follow_a_changed_config() -> None:
