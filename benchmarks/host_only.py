@@ -129,11 +129,11 @@ def spend_per_draft(engine: LLMEngine, seconds: float) -> None:
     per draft that no window of one k shows, for the chooser to learn (docs/adaptive-measurements.md, AE and AG)."""
     update = engine.scheduler.update
 
-    def spending(plan: StepPlan, result: StepResult) -> Any:
+    def spending(plan: StepPlan, result: StepResult, *rest: Any) -> Any:  # rest: update's clock, where timed
         until = time.perf_counter() + seconds * sum(plan.num_drafts)
         while time.perf_counter() < until:
             pass
-        return update(plan, result)
+        return update(plan, result, *rest)
 
     engine.scheduler.update = spending  # type: ignore[method-assign]
 

@@ -82,3 +82,17 @@ def test_the_executor_spends_and_counts_what_a_steps_catch_ups_rewind() -> None:
     assert time.perf_counter() - t0 >= 50 * 1e-4  # a busy wait: never shorter
     executor.execute(StepPlan())
     assert executor.caught_up == 50
+
+
+def test_the_host_price_per_draft_is_spent_in_the_schedulers_update() -> None:
+    """--host-per-draft-us wraps the scheduler's update, whatever else the engine passes it (the token price's clock
+    since session AM: the wrapper had taken two arguments and every run with it failed, found in session AQ)."""
+    engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=2, num_kv_blocks=128), host_only.InstantExecutor([1.0]))
+    host_only.spend_per_draft(engine, 1e-3)
+    prompts = np.random.default_rng(0).integers(*host_only.TOKENS, (2, 9)).tolist()
+    jobs = [workloads.Job(p, SamplingParams(max_tokens=40, ignore_eos=True, num_speculative_tokens=3)) for p in prompts]
+    t0 = time.perf_counter()
+    run = workloads.drive(engine, jobs, 2, "h")
+    spent, drafts = time.perf_counter() - t0, run.spec.num_draft_tokens
+    assert run.num_tokens == 80 and drafts >= 30
+    assert spent >= 0.9e-3 * drafts  # a busy wait per draft verified
