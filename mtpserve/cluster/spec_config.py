@@ -88,6 +88,6 @@ class AdaptiveConfig:
     cap_drafts: bool = True
     # No probe of k - 1 past the modules where k keeps the best rate with that draft's price at the most it can stand
     # at (the token's, by cap_drafts; at most the price below the modules, by bound_recursion): no draw can then move
-    # the choice. At greedy c = 8 on the H200 every full choice kept k = 4, and the probes ran 456 of auto's learned
-    # steps at k = 3, 8-13 % fewer tokens a ms (run 352). False: probed as before session AQ.
+    # the choice. At greedy c = 8 on the H200 all but one full choice kept k = 4, and the probes ran 456 of auto's
+    # learned steps at k = 3, 8-14 % fewer tokens a ms (run 352). False: probed as before session AQ.
     skip_moot_probes: bool = True
