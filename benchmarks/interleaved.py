@@ -19,8 +19,8 @@ its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). Wit
 an equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the
 last one's time still fits. --dump-samples writes every engine's step-cost samples and auto's choices for
 replay_costs.py; --phases adds each variant's steps by phase, and the host parts of its full-batch steps at each k
-(host_parts.py: the step's own pieces, GC, page faults and a probe of the core's own speed; "other" also holds the
-tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig fields changed (an A/B
+and of its drain steps (host_parts.py: the step's own pieces, GC, page faults and a probe of the core's own speed;
+"other" also holds the tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig fields changed (an A/B
 of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is another engine of that
 variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how far two engines of one
 variant differ. A variant "K@VARIANT" runs k = K's requests on that variant's engine ("4,auto,4@auto": fixed k = 4 on
@@ -190,6 +190,8 @@ class PhaseSums:
         self.sums: dict[int | str, dict[str, list[float]]] = {k: {} for k in engines}
         # Per variant and k, its full-batch steps' (lap, parts), the k unchanged from the step before.
         self.full: dict[int | str, dict[int, list[tuple[float, dict[str, float]]]]] = {k: {} for k in engines}
+        # Per variant, every drain step's (lap, parts): where the batch crosses buckets, auto chooses unprepared.
+        self.drain: dict[int | str, list[tuple[float, dict[str, float]]]] = {k: [] for k in engines}
 
     def start(self, k: int | str) -> None:
         self.tracers[k].start()
@@ -200,9 +202,11 @@ class PhaseSums:
         last_k, since = (records[0].k if records else 0), IDLE
         for r, phase, parts in zip(records, cell_phases.phase_of(records, c), self.parts[k].steps):
             since = 0 if r.chose or parts.get("prepare", 0.0) > CHOOSER_WORKED else since + 1
+            step = (r.seconds, {**parts, "gc": r.gc_seconds, "faults": r.faults, "since": since, "chose": r.chose})
             if phase == "full" and r.k == last_k and not r.chose:
-                self.full[k].setdefault(r.k, []).append(
-                    (r.seconds, {**parts, "gc": r.gc_seconds, "faults": r.faults, "since": since}))
+                self.full[k].setdefault(r.k, []).append(step)
+            elif phase == "drain":
+                self.drain[k].append(step)
             extra = (("choosing",) if r.chose else ()) + (("k moved",) if r.k != last_k else ())
             last_k = r.k
             for key in (phase, *extra):
@@ -237,7 +241,23 @@ class PhaseSums:
                     f"host parts at c = {c}, k = {k}: full-batch steps at the k of the step before, no choice "
                     "made (auto's also split by the steps since its chooser last prepared or chose); mean us a step "
                     "(in parentheses: parts inside those before them)", rows))
-        return tables
+        return tables + self._drain_table(c)
+
+    def _drain_table(self, c: int) -> list[Table]:
+        """Every drain step's host parts per variant, auto's also split by whether the step chose: a drain whose steps
+        run the same k in two variants and lasts longer in one says here whether its choices or its other steps do."""
+        rows = {f"MTP{v}": steps for v, steps in self.drain.items()}
+        for v, steps in self.drain.items():
+            if speculation(v) == spec_matrix.AUTO:
+                rows[f"MTP{v}, chose"] = [x for x in steps if x[1]["chose"]]
+                rows[f"MTP{v}, held"] = [x for x in steps if not x[1]["chose"]]
+        rows = {name: (sum(x[0] for x in steps) / len(steps), [x[1] for x in steps])
+                for name, steps in rows.items() if len(steps) >= 10}
+        if len(rows) < 2:
+            return []
+        return [host_parts.parts_table(f"host parts at c = {c}, drain: every step after the cell's last prompt step "
+                                       "below the full batch, any k (auto's also split by whether it chose); mean us "
+                                       "a step (steps x mean = the phase's time)", rows)]
 
 
 def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None,

@@ -137,7 +137,7 @@ def test_phases_count_the_steps_whose_k_moved() -> None:
     """'k moved': the steps whose k was not the step's before, within a cell (the first step of a cell moves
     nothing)."""
     sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
-    sums.sums, sums.full = {"auto": {}}, {"auto": {}}
+    sums.sums, sums.full, sums.drain = {"auto": {}}, {"auto": {}}, {"auto": []}
     for ks in ([2, 2, 3, 3, 2, 2], [3, 3, 3, 2, 2, 2]):  # the second cell starts at another k than the first ended
         records = [cell_phases.StepRecord(0.001 * (i + 1), 4, 0, 3, k, 0, 0.0, 0) for i, k in enumerate(ks)]
         sums.tracers = {"auto": SimpleNamespace(records=records)}
@@ -154,7 +154,7 @@ def test_autos_same_k_steps_are_split_by_the_steps_since_its_chooser_worked() ->
     """A step whose chooser preparation ran (over CHOOSER_WORKED) or that chose resets the count; auto's rows are
     split at IDLE steps since, a fixed k's never."""
     sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
-    sums.sums, sums.full = {"auto": {}, 4: {}}, {"auto": {}, 4: {}}
+    sums.sums, sums.full, sums.drain = {"auto": {}, 4: {}}, {"auto": {}, 4: {}}, {"auto": [], 4: []}
     worked = {5, 20, 30}  # the chooser prepared in these steps
     for v in ("auto", 4):
         records = [cell_phases.StepRecord(0.001, 4, 0, 5, 4, 0, 0.0, 0) for _ in range(40)]
@@ -169,6 +169,27 @@ def test_autos_same_k_steps_are_split_by_the_steps_since_its_chooser_worked() ->
     near = sum(1 for s in since if s < interleaved.IDLE)
     assert names == ["MTPauto", "MTP4", "MTPauto, chooser 0-3 steps back", "MTPauto, chooser 4+ steps back"]
     assert [row[1] for row in table.rows] == ["40", "40", str(near), str(40 - near)]
+
+
+def test_drain_steps_get_a_parts_table_with_autos_choices_apart() -> None:
+    """Steps after a cell's last prompt step below the full batch are the drain's: every one of them (any k) goes in
+    its own parts table, auto's split by whether the step chose."""
+    sums = interleaved.PhaseSums.__new__(interleaved.PhaseSums)
+    sums.sums, sums.full, sums.drain = {"auto": {}, 4: {}}, {"auto": {}, 4: {}}, {"auto": [], 4: []}
+    for v in ("auto", 4):
+        # A prompt step, 10 full steps, then 20 drain steps from 3 requests down, auto choosing in every fifth.
+        records = [cell_phases.StepRecord(0.002, 4, 9, 4, 4, 0, 0.0, 0)]
+        records += [cell_phases.StepRecord(0.001, 4, 0, 5, 4, 0, 0.0, 0) for _ in range(10)]
+        records += [cell_phases.StepRecord(0.003 if v == "auto" and i % 5 == 0 else 0.001, 3 - i // 10, 0, 5, 4, 0,
+                                           0.0, 0, chose=v == "auto" and i % 5 == 0) for i in range(20)]
+        sums.tracers = {v: SimpleNamespace(records=records)}
+        sums.parts = {v: SimpleNamespace(steps=[{"step": r.seconds} for r in records])}
+        sums.add(v, 4)
+    drain = sums.parts_tables(4)[-1]
+    assert "drain" in drain.title
+    rows = {row[0]: row[1:3] for row in drain.rows}
+    assert rows == {"MTPauto": ["20", "1400"], "MTP4": ["20", "1000"], "MTPauto, held": ["16", "1000"]}
+    # (auto's 4 choosing steps are under the 10 steps a row needs: no row of their own)
 
 
 def test_a_shared_variant_runs_its_k_on_another_variants_engine(monkeypatch: pytest.MonkeyPatch,
