@@ -21,9 +21,9 @@ last one's time still fits. --dump-samples writes every engine's step-cost sampl
 replay_costs.py; --phases adds each variant's steps by phase, and the host parts of its full-batch steps at each k
 and of its drain steps (host_parts.py: the step's own pieces, GC, page faults and a probe of the core's own speed;
 "other" also holds the tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig
-fields changed (an A/B of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is another engine of that
-variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how far two engines of one
-variant differ. A variant "K@VARIANT" runs k = K's requests on that variant's engine ("4,auto,4@auto": fixed k = 4 on
+fields changed (an A/B of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME"
+is another engine of that variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how
+far two engines of one variant differ. A variant "K@VARIANT" runs k = K's requests on that variant's engine ("4,auto,4@auto": fixed k = 4 on
 auto's engine, whose cost model then also learns from them): set beside 4, it says whether a slower step follows the
 engine or auto's requests.
 """
