@@ -14,18 +14,18 @@ seeds. A slow spell of the host then falls on every variant alike, and each roun
 H200, 150 rounds at c = 1 put a 90 % interval of about +-0.8 % on auto / fixed k (session AD, runs 274-281),
 though the ratio moved more than that between runs, whose engines learn their costs anew.
 
-Per variant: its tok/s over all rounds (tokens / seconds, summed), its acceptance length, and auto's tok/s over
-its own with a 90 % interval (a bootstrap over rounds of the ratio of sums). With --budget-s each concurrency gets
-an equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the
-last one's time still fits. --dump-samples writes every engine's step-cost samples and auto's choices for
+Per variant: its tok/s over all rounds (tokens / seconds, summed), its acceptance length, and auto's tok/s over its
+own with a 90 % interval (a bootstrap over rounds of the ratio of sums). With --budget-s each concurrency gets an
+equal share of the budget left when it starts (engines built and warmed inside it), and runs rounds while the last
+one's time still fits. --dump-samples writes every engine's step-cost samples and auto's choices for
 replay_costs.py; --phases adds each variant's steps by phase, and the host parts of its full-batch steps at each k
 and of its drain steps (host_parts.py: the step's own pieces, GC, page faults and a probe of the core's own speed;
 "other" also holds the tracers' own reads). A variant "auto:FIELD=VALUE[+...]" runs auto with those AdaptiveConfig
-fields changed (an A/B of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME"
-is another engine of that variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how
-far two engines of one variant differ. A variant "K@VARIANT" runs k = K's requests on that variant's engine ("4,auto,4@auto": fixed k = 4 on
-auto's engine, whose cost model then also learns from them): set beside 4, it says whether a slower step follows the
-engine or auto's requests.
+fields changed (an A/B of the chooser beside auto as it is, e.g. auto:max_probe_wait=1). A variant "VARIANT#NAME" is
+another engine of that variant ("4,4#b,auto"): its ratio to the first, with its interval, is an A/A control of how
+far two engines of one variant differ. A variant "K@VARIANT" runs k = K's requests on that variant's engine
+("4,auto,4@auto": fixed k = 4 on auto's engine, whose cost model then also learns from them): set beside 4, it says
+whether a slower step follows the engine or auto's requests.
 """
 
 from __future__ import annotations
