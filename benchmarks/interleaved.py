@@ -234,8 +234,7 @@ class PhaseSums:
                 if speculation(v) == spec_matrix.AUTO and near and len(near) < len(full[k]):
                     rows[f"MTP{v}, chooser 0-{IDLE - 1} steps back"] = near
                     rows[f"MTP{v}, chooser {IDLE}+ steps back"] = [x for x in full[k] if x[1]["since"] >= IDLE]
-            rows = {name: (sum(x[0] for x in steps) / len(steps), [x[1] for x in steps])
-                    for name, steps in rows.items() if len(steps) >= 10}
+            rows = _mean_laps(rows)
             if len(rows) >= 2:
                 tables.append(host_parts.parts_table(
                     f"host parts at c = {c}, k = {k}: full-batch steps at the k of the step before, no choice "
@@ -251,13 +250,18 @@ class PhaseSums:
             if speculation(v) == spec_matrix.AUTO:
                 rows[f"MTP{v}, chose"] = [x for x in steps if x[1]["chose"]]
                 rows[f"MTP{v}, held"] = [x for x in steps if not x[1]["chose"]]
-        rows = {name: (sum(x[0] for x in steps) / len(steps), [x[1] for x in steps])
-                for name, steps in rows.items() if len(steps) >= 10}
+        rows = _mean_laps(rows)
         if len(rows) < 2:
             return []
         return [host_parts.parts_table(f"host parts at c = {c}, drain: every step after the cell's last prompt step "
                                        "below the full batch, any k (auto's also split by whether it chose); mean us "
                                        "a step (steps x mean = the phase's time)", rows)]
+
+
+def _mean_laps(rows: dict[str, list[tuple[float, dict[str, float]]]]) -> dict[str, tuple[float, list[dict]]]:
+    """Per row of at least 10 steps, (its laps' mean seconds, its steps' parts): host_parts.parts_table's rows."""
+    return {name: (sum(x[0] for x in steps) / len(steps), [x[1] for x in steps])
+            for name, steps in rows.items() if len(steps) >= 10}
 
 
 def run_rounds(args: argparse.Namespace, engines: dict, rounds: list[list], c: int, deadline: float | None = None,

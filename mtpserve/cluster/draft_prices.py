@@ -89,22 +89,25 @@ class DraftPriceDraws:
         per_draft, recursion = self.host_draft_slopes[b], self.host_recursion_slopes[b]
         cap = self.tokens.price if self.cap_drafts else None
         if cap:  # see AdaptiveConfig.cap_drafts (a token priced 0, as a floored draw can be, caps nothing)
-            per_draft, recursion = min(per_draft, cap), None if recursion is None else min(recursion, cap)
+            per_draft = min(per_draft, cap)
         if recursion is None:
             return per_draft, per_draft
-        # Bounded where a window or a probe drew a price below the modules above 0: 0 is also what a bucket holds before
-        # any draw and what a floored draw reads, and bounded by it a draft past the modules would cost nothing.
+        bound = self._recursion_bound(per_draft)
+        return per_draft, recursion if bound is None else min(recursion, bound)
+
+    def _recursion_bound(self, per_draft: float) -> float | None:
+        """The most a draft past the modules is priced at, given the (capped) price below them: that price where
+        bounded, else a token's where capped; None: no bound. Bounded only where a window or a probe drew a price below
+        the modules above 0: 0 is also what a bucket holds before any draw and what a floored draw reads, and bounded
+        by it a draft past the modules would cost nothing."""
         if self.bound_recursion and per_draft > 0:  # see AdaptiveConfig
-            return per_draft, min(recursion, per_draft)
-        return per_draft, recursion
+            return per_draft
+        return self.tokens.price if self.cap_drafts and self.tokens.price else None
 
     def dearest_recursion(self, b: int) -> float | None:
         """The most bucket b's price of a draft past the modules can stand at, however its probes draw it (line units):
         a token's price where capped (cap_drafts), at most the price below the modules where bounded; None: no bound."""
-        per_draft, _ = self._draft_prices(b)  # capped already where capped
-        if self.bound_recursion and per_draft > 0:
-            return per_draft
-        return self.tokens.price if self.cap_drafts and self.tokens.price else None
+        return self._recursion_bound(self._draft_prices(b)[0])
 
     def _draw_recursion(self, b: int, drawn: float, probed: int | None) -> None:
         """A window past the modules drew `drawn` as the price of a draft past them, its lowest k `probed` (None: a

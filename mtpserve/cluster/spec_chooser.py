@@ -208,9 +208,7 @@ class AdaptiveSpec:
         # Folded at most three steps ago by _prepare: those estimates (a choice taken early or late, when the batch
         # moved buckets, folds now).
         gains, base, floor = t.fold(rows, flush=t.now - self._flushed_at > 3)
-        scale = batch / rows.size  # priced as many tokens per request as the running rows emit
-        return gains, base, floor, self.costs.costs(batch, [g * scale for g in accumulate(gains, initial=base)],
-                                                    self.greedy)
+        return gains, base, floor, self.costs.costs(batch, _tokens(gains, base, batch / rows.size), self.greedy)
 
     def _prepare(self, due_in: int, batch: int, rows: np.ndarray) -> None:
         """A piece of the full choice due in `due_in` steps, in each of the three steps before it: the queued
@@ -394,8 +392,7 @@ class AdaptiveSpec:
         probe of k - 1 can move the choice, and one costs its steps' tokens and three full choices. At greedy c = 8 on
         the H200, where every full choice but one kept k = 4, probes ran 456 of its learned steps at k = 3, 8-14 % fewer
         tokens a ms there (run 352). `batch`, `gains`, `base`: as the choice priced them for its `rows` requests."""
-        scale = batch / max(rows, 1)
-        cost = self.costs.dearest_costs(batch, [g * scale for g in accumulate(gains, initial=base)], self.greedy)
+        cost = self.costs.dearest_costs(batch, _tokens(gains, base, batch / max(rows, 1)), self.greedy)
         if cost is None:
             return False
         rate = rates(gains, base, floor, cost)
@@ -406,3 +403,9 @@ class AdaptiveSpec:
         most min_dwell steps old while adaptive requests run (folding every step would cost what queueing
         saves)."""
         return self.acceptance.prior_list[: self.config.max_k]
+
+
+def _tokens(gains: list[float], base: float, scale: float) -> list[float]:
+    """[K + 1] a step's tokens at each k for the priced batch: the running rows' (base, then each position's gain)
+    scaled by batch / rows, as many tokens per request as the running rows emit."""
+    return [g * scale for g in accumulate(gains, initial=base)]
