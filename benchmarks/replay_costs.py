@@ -43,8 +43,8 @@ def no_spread(costs: StepCosts) -> None:
     """What-if: the host at its speed now, without the spread of its recent speeds."""
     fit = costs._host_fit
 
-    def narrow(batch: int, refit: bool = True) -> tuple:
-        return (*fit(batch, refit)[:4], [1.0])
+    def narrow(batch: int, refit: bool = True, recursion: float | None = None) -> tuple:
+        return (*fit(batch, refit, recursion)[:4], [1.0])
 
     costs._host_fit = narrow  # type: ignore[method-assign]
 
@@ -55,8 +55,8 @@ def draft_prior(share: float) -> Callable[[StepCosts], None]:
     def patch(costs: StepCosts) -> None:
         fit = costs._host_fit
 
-        def priced(batch: int, refit: bool = True) -> tuple:
-            a, slope, price, median, spread = fit(batch, refit)
+        def priced(batch: int, refit: bool = True, recursion: float | None = None) -> tuple:
+            a, slope, price, median, spread = fit(batch, refit, recursion)
             if not any(price) and batch > 0:
                 per = share * median / batch
                 price = [per * k for k in range(len(price))]

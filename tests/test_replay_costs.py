@@ -227,3 +227,16 @@ def test_the_token_price_what_ifs_override_what_the_warm_up_drew() -> None:
     replay_costs.window_tokens(window)
     window.tokens.add_draw(0.7e-6)
     assert window.tokens.price is None and set(window.host_slopes) == {0.0}
+
+
+@pytest.mark.parametrize("variant", sorted(replay_costs.VARIANTS))
+def test_every_what_if_variant_prices_a_recorded_choice(variant: str) -> None:
+    """Each variant patches the cost model it is given; one that no longer fits StepCosts' signatures fails here
+    rather than on a GPU run's dump (no-spread and draft-* broke when _host_fit took the recursion's price)."""
+    start = StepCosts(max_k=2, max_rows=4)
+    state = {"kind": "state", "variant": "k=auto c=4", "costs": base64.b64encode(pickle.dumps(start)).decode()}
+    auto = [_sample("k=auto c=4", 0, 1 + i % 2, 1e-3 * (1 + i % 3 / 10), 0.9e-3, 6.0 + i % 3) for i in range(40)]
+    choice = {"kind": "choice", "variant": "k=auto c=4", "round": 0, "t": 0.0, "batch": 4, "gains": [2.0, 1.0],
+              "base": 4.0, "floor": 0, "cost": [1e-3, 1.1e-3, 1.2e-3], "current": 2, "chosen": 2}
+    [(seen, row)] = replay_costs.replay([state, *auto, choice], "k=auto c=4", 4, replay_costs.VARIANTS[variant])
+    assert seen is choice and len(row) == 3 and all(cost > 0 for cost in row)
