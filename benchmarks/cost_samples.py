@@ -7,6 +7,7 @@ records in one list, each with the variant and round it belongs to and the time:
   * every probe of k - 1 (StepCosts.begin_probe; past the modules too since session AL), which a replay starts
     where the engine did;
   * every draw of the host's price of a token within steps (TokenPrice.add_draw, since session AM);
+  * every step with prompt chunks or catch-ups (StepCosts.interrupt, since session AR), where probes start afresh;
   * each cost model's state when wrapped (pickled).
 `--dump-samples PATH` in cell_phases.py and interleaved.py writes it as JSON. A GPU run's stream can then be priced
 again on the CPU by another cost model and set against the fixed-k cells of the same rounds (replay_costs.py), or
@@ -76,8 +77,15 @@ class SampleLog:
             self._add("token_price", drawn=drawn)
             add_draw(drawn)
 
+        interrupt = costs.interrupt
+
+        def interrupted(admitted: bool) -> None:  # a step with prompt chunks or catch-ups (replayed)
+            self._add("interrupt", admitted=admitted)
+            interrupt(admitted)
+
         costs.observe = traced
         costs.begin_probe = probed
+        costs.interrupt = interrupted
         costs.tokens.add_draw = token_drawn
         engine.adaptive.admit = counted
 

@@ -180,6 +180,8 @@ def replay(records: list[Record], variant: str, c: int, what_if: Callable[[StepC
                           r["lap"])
         elif r["kind"] == "probe":  # since session AH (past the modules since AL): older dumps replay without them
             costs.begin_probe(r["batch"], r["k"])
+        elif r["kind"] == "interrupt":  # since session AR
+            costs.interrupt(r["admitted"])
         elif r["kind"] == "token_price":  # since session AM
             costs.tokens.add_draw(r["drawn"])
         elif r["kind"] == "choice" and (r["batch"] == c if at is None else at(r["batch"])):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from mtpserve.cluster import host_fits
 from mtpserve.cluster.device_costs import lower_median, plain_median
-from mtpserve.cluster.paired_probe import SIDE, PairedProbe
+from mtpserve.cluster.paired_probe import SETTLE, SIDE, PairedProbe
 from mtpserve.cluster.token_price import TokenPrice
 
 
@@ -38,10 +38,16 @@ class DraftPriceDraws:
     _recursion_probe: list[int]
     _recursion_paired: list[bool]
     _probes: list[PairedProbe | None]
+    # Per bucket, (interruptions so far, k, samples at k in a row since both: the run a probe's before side comes from)
+    # as of its last sample; see interrupt.
+    _runs: list[tuple[int, int, int]]
+    _interruptions: int
+    clean_probes = True  # AdaptiveConfig.clean_probes, set by the chooser
     _slopes: list[tuple[float, float, float]]
     _bases: list[float]
     _fitted_at: list[int]
     bucket: Callable[[int], int]  # StepCosts': a batch's bucket
+    one_k_run: Callable[[int, int], int]  # StepCosts': samples at k alone in a row
     _draft_price: Callable[[float, float], list[float]]  # StepCosts': [K + 1] the drafts' price at each k
     tokens: TokenPrice  # StepCosts': the host's price of a token drawn within steps
 
@@ -54,12 +60,51 @@ class DraftPriceDraws:
         probes."""
         return len(self._draft_draws[self.bucket(batch)]) == self.DRAFT_DRAWS
 
+    def interrupt(self, admitted: bool) -> None:
+        """An untimed step with prompt chunks (`admitted`: requests joined or recomputed) or catch-ups ran. The host's
+        share a request moves around such steps: at T = 1, c = 128 on the H200 the first decode step after an
+        admission took 7-8 % more than its neighbours and the next ten 3-6 % less, while a probe's draw looks for
+        about 1 % (run 357). A probe whose sides straddle one reads that as the price: the before side taken from the
+        bucket's last samples at k, of the previous wave's last steps where the probe opened a new one, drew the fourth
+        draft at 1.59 us a request where the fixed cells' k = 3 and 4 differed by their tokens alone. So (clean_probes)
+        every bucket's run of samples starts again, a probe under way is void where requests joined, and one whose
+        catch-up ran (below the modules, as k rose back) gathers its after side anew past it."""
+        if not self.clean_probes:
+            return
+        self._interruptions += 1
+        for b, probe in enumerate(self._probes):
+            if probe is None:
+                continue
+            if admitted:
+                self._probes[b] = None
+            else:
+                probe.restart_after()
+
+    def _count_run(self, b: int, k: int) -> None:
+        """Bucket b took a sample at k (StepCosts.observe): its clean run grows, or starts again (SETTLE samples short
+        where an interruption came since its last sample)."""
+        interruptions, run_k, count = self._runs[b]
+        if interruptions != self._interruptions:
+            count = -SETTLE
+        elif run_k != k:
+            count = 0
+        self._runs[b] = (self._interruptions, k, count + 1)
+
+    def clean_run(self, batch: int, k: int) -> int:
+        """Samples at k this batch's bucket has taken in a row since the last interruption (see interrupt), none
+        since: a probe of k - 1 takes its before side from them. One_k_run where clean_probes is off."""
+        if not self.clean_probes:
+            return self.one_k_run(batch, k)
+        interruptions, run_k, count = self._runs[self.bucket(batch)]
+        return max(count, 0) if interruptions == self._interruptions and run_k == k else 0
+
     def begin_probe(self, batch: int, k: int) -> None:
         """The chooser probes k - 1 from k in this batch's bucket from the next step: its steps, and those at k around
         it, draw the host's price of a draft (paired_probe.py), below the modules or, where k - 1 reaches them all,
-        past them."""
+        past them. The before side: the bucket's clean run at k (clean_run), at most SIDE of it."""
         b = self.bucket(batch)
-        before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:SIDE]
+        side = min(self.clean_run(batch, k), SIDE)
+        before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:side]
         self._probes[b] = PairedProbe(k, before)
 
     def _draw_probe(self, b: int, probe: PairedProbe) -> None:

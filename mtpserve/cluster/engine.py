@@ -286,6 +286,8 @@ class LLMEngine:
             seconds = None
         if self.adaptive is None:
             return
+        if not _decodes_only(plan, stats):  # its neighbours' host shares are no probe's (StepCosts.interrupt)
+            self.adaptive.costs.interrupt(bool(stats.num_prompt_tokens or plan.new_requests))
         chooser = self.adaptive.take_spent()  # the chooser's own host time in this lap (see take_spent)
         if not plan.req_ids:
             return

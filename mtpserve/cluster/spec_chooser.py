@@ -86,6 +86,7 @@ class AdaptiveSpec:
         """The settings, and those the step costs read go with them (an A/B variant's: benchmarks/interleaved.py)."""
         self._config = config
         self.costs.bound_recursion, self.costs.cap_drafts = config.bound_recursion, config.cap_drafts
+        self.costs.clean_probes = config.clean_probes
 
     @property
     def _modules(self) -> int:
@@ -377,7 +378,10 @@ class AdaptiveSpec:
         # Past the modules a probe is paired, A/B/A: it needs SIDE samples at k before it, not a window of k alone.
         # Waiting for one, three early probes' price of 4 us a request (about twice the fixed cells') held auto between
         # k = 3 and 4 at greedy c = 256, and no later probe drew it again (H200, run 332).
-        if costs.one_k_run(batch, k) < (SIDE if past else due) or now - self._probed_down_at.get(bucket, -due) < due:
+        # Its before side is the bucket's clean run at k (no prompt step or catch-up since, StepCosts.interrupt): a
+        # probe waits for SIDE samples of one.
+        if costs.one_k_run(batch, k) < (SIDE if past else due) or costs.clean_run(batch, k) < SIDE \
+                or now - self._probed_down_at.get(bucket, -due) < due:
             return k
         self._probed_down_at[bucket] = now
         moot = past and priced is not None and self.config.skip_moot_probes

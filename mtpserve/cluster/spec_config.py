@@ -91,3 +91,11 @@ class AdaptiveConfig:
     # the choice. At greedy c = 8 on the H200 all but one full choice kept k = 4, and the probes ran 456 of auto's
     # learned steps at k = 3, 8-14 % fewer tokens a ms (run 352). False: probed as before session AQ.
     skip_moot_probes: bool = True
+    # A probe of k - 1 draws the host's price of a draft from steps in one clean stretch: its before side from the
+    # bucket's samples at k since the last step with prompt chunks or catch-ups (StepCosts.clean_run), void where
+    # requests join during it, its after side gathered anew past its own catch-up (StepCosts.interrupt). At T = 1,
+    # c = 128 on the H200 the probes' before sides, taken from the previous wave's last steps, drew the fourth draft
+    # at 1.59 us a request where the fixed cells' k = 3 and 4 differed by their tokens alone, and auto ran k = 3 at
+    # 0.941 of fixed k = 4; the clean draws' median, 0.94, replayed picks k = 4 in 354 of 373 choices (run 357).
+    # False: as before session AR.
+    clean_probes: bool = True

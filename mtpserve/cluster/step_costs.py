@@ -110,6 +110,7 @@ class StepCosts(DraftPriceDraws):
         # where auto dwelt on one k (run 300), and those that held two read the host's speed changes (run 301).
         self._draft_draws = [deque(maxlen=self.DRAFT_DRAWS) for _ in range(nb)]
         self._probes: list[PairedProbe | None] = [None] * nb
+        self._runs, self._interruptions = [(0, -1, 0)] * nb, 0  # clean runs of samples (DraftPriceDraws.interrupt)
         self.overlapped = False  # how the last timed step ran (the engine's mode: the same for every bucket)
         self.gap_recent = [deque(maxlen=self.GAP_WINDOW) for _ in range(nb)]  # lap - device of device-bound laps
         self.gap_samples = [0] * nb
@@ -141,6 +142,7 @@ class StepCosts(DraftPriceDraws):
         same.append(sample)
         self.host_samples[b] += 1
         self.k_seen[b][k] = self.host_samples[b]
+        self._count_run(b, k)
         probe = self._probes[b]
         if probe is not None and (done := probe.add(k, host / per, tokens / per)) is not None:
             self._probes[b] = None
