@@ -37,6 +37,8 @@ def test_a_tiny_interleaved_run_dumps_each_engine_and_restores_the_chooser(tmp_p
     assert {r["round"] for r in samples} == {0, 1}
     assert {r["k"] for r in samples if r["variant"] == "k=1 c=4"} == {1}
     assert all(r["lap"] >= 0 and r["tokens"] >= r["batch"] for r in samples)
+    # Every prompt step interrupted the clean runs (StepCosts.interrupt), as an admission.
+    assert any(r["kind"] == "interrupt" and r["admitted"] for r in records)
     # Each full choice's host line (level, token price, a price per k, median) is the one a model fed the same
     # samples reads right after pricing the same row.
     lines: list[list] = []

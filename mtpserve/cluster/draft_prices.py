@@ -42,7 +42,7 @@ class DraftPriceDraws:
     # as of its last sample; see interrupt.
     _runs: list[tuple[int, int, int]]
     _interruptions: int
-    clean_probes = True  # AdaptiveConfig.clean_probes, set by the chooser
+    clean_probes = False  # AdaptiveConfig.clean_probes, set by the chooser
     _slopes: list[tuple[float, float, float]]
     _bases: list[float]
     _fitted_at: list[int]

@@ -96,6 +96,8 @@ class AdaptiveConfig:
     # requests join during it, its after side gathered anew past its own catch-up (StepCosts.interrupt). At T = 1,
     # c = 128 on the H200 the probes' before sides, taken from the previous wave's last steps, drew the fourth draft
     # at 1.59 us a request where the fixed cells' k = 3 and 4 differed by their tokens alone, and auto ran k = 3 at
-    # 0.941 of fixed k = 4; the clean draws' median, 0.94, replayed picks k = 4 in 354 of 373 choices (run 357).
-    # False: as before session AR.
-    clean_probes: bool = True
+    # 0.941 of fixed k = 4; the clean draws' median, 0.94, replayed picks k = 4 in 354 of 373 choices (run 357). On the
+    # GPU (run 358) it did pick k = 4 (246 of 270 full choices, against 905 of 5657 full-batch steps off), but ran 0.952
+    # and 0.954 of fixed k = 4 at c = 128 and 32 against 0.965 and 0.966 off: there k = 3 and 4 ran about alike and
+    # auto's own k = 4 steps 3-6 % slower than fixed k = 4's. Off until an A/B shows it pays.
+    clean_probes: bool = False
