@@ -284,17 +284,19 @@ def test_a_full_choice_folds_and_fits_in_the_steps_before_it(monkeypatch: pytest
     assert any(work == ("fit",) for _, work in steps)  # refits where due, two steps before
 
 
-def test_a_choice_long_after_the_early_fold_folds_what_came_since() -> None:
-    """The fold three steps ahead of a due choice stands in for the choice's own only while it is that recent: a
-    choice that came later (the batch moved buckets and took up a longer dwell there) folds anew."""
+def test_a_choice_long_after_the_last_fold_folds_what_came_since() -> None:
+    """A fold (three steps ahead of a due choice, or a choice's own) stands in for the choice's for min_dwell steps, as
+    long as a held choice reads its estimates: a drain crossing a bucket every few steps folded at each crossing, most
+    of each choice's time. A choice later than that folds anew, and its fold stands in for the next ones."""
     spec = AdaptiveSpec(AdaptiveConfig(max_k=K, max_rows=1, min_dwell=8))
     rows = np.array([spec.admit(K, True)])
     spec.choose(rows)  # the first call chooses at once
-    for folded_ago, left in ((10, 0), (0, 3)):  # the early fold 10 steps back: folded anew; just now: not
+    for folded_ago, left in ((10, 0), (1, 3), (8, 3), (9, 0)):  # steps from the fold to the choice: anew past 8
         for _ in range(3):
             spec.acceptance.observe(rows, np.array([K]), np.array([1]))
-        spec._flushed_at = spec.acceptance.now - folded_ago
+        spec._flushed_at = spec.acceptance.now + 1 - folded_ago  # the choice counts its own step first
         spec._held = spec.dwell  # the next call is a full choice
         spec.choose(rows)
         assert len(spec.acceptance._pending) == left
+        assert spec._flushed_at == spec.acceptance.now - (0 if left == 0 else folded_ago)
         spec.acceptance.flush()
