@@ -63,7 +63,7 @@ class DraftPriceDraws:
     def interrupt(self, admitted: bool) -> None:
         """An untimed step with prompt chunks (`admitted`: requests joined or recomputed) or catch-ups ran. The host's
         share a request moves around such steps: at T = 1, c = 128 on the H200 the first decode step after an
-        admission took 7-8 % more than its neighbours and the next ten 3-6 % less, while a probe's draw looks for
+        admission took 7-8 % more than its neighbours and the next ten 2-8 % less, while a probe's draw looks for
         about 1 % (run 357). A probe whose sides straddle one reads that as the price: the before side taken from the
         bucket's last samples at k, of the previous wave's last steps where the probe opened a new one, drew the fourth
         draft at 1.59 us a request where the fixed cells' k = 3 and 4 differed by their tokens alone. So (clean_probes)

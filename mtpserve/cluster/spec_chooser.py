@@ -209,7 +209,7 @@ class AdaptiveSpec:
         # Folded at most min_dwell steps ago (by _prepare three steps ahead of a due choice, or by a choice the batch
         # moving buckets made): those estimates, as old as a choice held for its dwell reads. A drain crosses a bucket
         # every few steps, and each crossing's fold was most of its choice: 0.79 of 1.15 ms at c = 128 in the CPU's
-        # host-only engine, whose drain choices took 0.93 ms each at random c = 128 on the H200 (run 357).
+        # host-only engine (a drain's choices took 0.93 ms each at random c = 128 on the H200, run 357).
         stale = t.now - self._flushed_at > self.config.min_dwell
         gains, base, floor = t.fold(rows, flush=stale)
         if stale:
