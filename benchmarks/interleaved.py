@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import sys
 import tempfile
@@ -330,6 +331,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=32, help="cells per variant, interleaved")
     p.add_argument("--dump-samples", metavar="PATH", help="write every step-cost sample and choice of every engine "
                    "as JSON (cost_samples.py), for benchmarks/replay_costs.py")
+    p.add_argument("--cells-out", metavar="PATH", help="write every variant's cells (tokens, seconds, AL per round) as "
+                   "JSON, for pool_cells.py to pool a ratio over several runs")
     p.add_argument("--phases", action="store_true", help="also a table per concurrency of each variant's steps by "
                    "phase (cell_phases.py's), summed over rounds")
     p.add_argument("--requests-per-cell", type=int, default=None,
@@ -347,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = common.parse_ints(args.concurrency)
     end = None if args.budget_s is None else time.monotonic() + args.budget_s
     log = cost_samples.SampleLog() if args.dump_samples else None
+    pooled: dict[str, dict[str, list[Cell]]] = {}  # per concurrency, per variant, its cells (--cells-out)
     with tempfile.TemporaryDirectory(prefix="mtpserve-interleaved-") as tmp:
         for i, c in enumerate(concurrency):  # each concurrency gets an equal share of the budget left
             deadline = None if end is None else time.monotonic() + (end - time.monotonic()) / (len(concurrency) - i)
@@ -362,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                     log.wrap(engines[k], f"k={k} c={c}")
             phases = PhaseSums(engines) if args.phases else None
             cells = run_rounds(args, engines, rounds, c, deadline, log, phases)
+            pooled[str(c)] = {str(k): mine for k, mine in cells.items()}
             tables += [t for t in (table_for(cells, c), copies_table(cells, c)) if t is not None]
             if phases is not None:
                 tables.append(phases.table(c))
@@ -370,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                 engines[k].shutdown()
     if log is not None:
         log.write(args.dump_samples)
+    if args.cells_out:
+        Path(args.cells_out).write_text(json.dumps({"commit": args.commit or common.git_commit(), "cells": pooled}))
     notes.append(f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.workload} prompts, "
                  f"{args.max_tokens} tokens per request, an engine per "
                  "variant (none learns from another's steps), the same prompts and seeds in every variant's cell of a "
