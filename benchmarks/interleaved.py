@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ import cell_phases  # noqa: E402
 import common  # noqa: E402
 import cost_samples  # noqa: E402
 import host_parts  # noqa: E402
+import pool_cells  # noqa: E402
 import spec_matrix  # noqa: E402
 import workloads  # noqa: E402
 from mtpserve.cluster.engine import LLMEngine  # noqa: E402
@@ -58,13 +58,7 @@ Cell = tuple[int, float, float]  # tokens, seconds, acceptance length
 def ratio_interval(auto: list[Cell], fixed: list[Cell], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """(auto's tok/s over fixed's, summed over the rounds; its 5th and 95th percentiles over rounds resampled with
     replacement). The two lists hold the same rounds, in order."""
-    def ratio(rounds: list[int]) -> float:
-        a = sum(auto[r][0] for r in rounds) / sum(auto[r][1] for r in rounds)
-        return a / (sum(fixed[r][0] for r in rounds) / sum(fixed[r][1] for r in rounds))
-
-    rng, n = random.Random(seed), len(auto)
-    resampled = sorted(ratio([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
-    return ratio(list(range(n))), resampled[int(0.05 * draws)], resampled[int(0.95 * draws) - 1]
+    return pool_cells.pooled([(auto, fixed)], draws, seed)[0][0]
 
 
 COPY = "#"  # "4#b": another engine of variant 4, an A/A control of how far two engines of one variant differ

@@ -2,7 +2,7 @@
 geometric mean, each with a 90 % interval (rounds resampled with replacement within each run).
 
 Auto over a fixed k moved by 3 % from one GPU run to the next at the same cell (0.962 - 0.994 at random prompts,
-c = 128, over runs 354-360 on the H200), as much as the change a setting is meant to make: one run cannot tell it
+c = 128, over runs 354, 357, 359 and 360 on the H200), as much as the change a setting is meant to make: one run cannot tell it
 (`AdaptiveConfig.clean_probes` read 0.952 / 0.965 in one run and 0.995 / 0.974 in the next). Pooling runs narrows
 the interval where a single run's cannot. Input: `interleaved.py --cells-out PATH` of each run; a pair names its
 variants as --ks did (a setting's "on" may be `auto` in one run and `auto:FIELD=1` in the next).
