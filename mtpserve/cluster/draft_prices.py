@@ -47,7 +47,6 @@ class DraftPriceDraws:
     _bases: list[float]
     _fitted_at: list[int]
     bucket: Callable[[int], int]  # StepCosts': a batch's bucket
-    one_k_run: Callable[[int, int], int]  # StepCosts': samples at k alone in a row
     _draft_price: Callable[[float, float], list[float]]  # StepCosts': [K + 1] the drafts' price at each k
     tokens: TokenPrice  # StepCosts': the host's price of a token drawn within steps
 
@@ -92,18 +91,16 @@ class DraftPriceDraws:
 
     def clean_run(self, batch: int, k: int) -> int:
         """Samples at k this batch's bucket has taken in a row since the last interruption (see interrupt), none
-        since: a probe of k - 1 takes its before side from them. One_k_run where clean_probes is off."""
-        if not self.clean_probes:
-            return self.one_k_run(batch, k)
+        since: with clean_probes, a probe of k - 1 takes its before side from them."""
         interruptions, run_k, count = self._runs[self.bucket(batch)]
         return max(count, 0) if interruptions == self._interruptions and run_k == k else 0
 
     def begin_probe(self, batch: int, k: int) -> None:
         """The chooser probes k - 1 from k in this batch's bucket from the next step: its steps, and those at k around
         it, draw the host's price of a draft (paired_probe.py), below the modules or, where k - 1 reaches them all,
-        past them. The before side: the bucket's clean run at k (clean_run), at most SIDE of it."""
+        past them. The before side: the bucket's newest SIDE samples at k (with clean_probes, of its clean run)."""
         b = self.bucket(batch)
-        side = min(self.clean_run(batch, k), SIDE)
+        side = min(self.clean_run(batch, k), SIDE) if self.clean_probes else SIDE
         before = [(s, e) for s, e, j in reversed(self.host_recent[b]) if j == k][:side]
         self._probes[b] = PairedProbe(k, before)
 

@@ -383,10 +383,10 @@ class AdaptiveSpec:
         # Past the modules a probe is paired, A/B/A: it needs SIDE samples at k before it, not a window of k alone.
         # Waiting for one, three early probes' price of 4 us a request (about twice the fixed cells') held auto between
         # k = 3 and 4 at greedy c = 256, and no later probe drew it again (H200, run 332).
-        # Its before side is the bucket's clean run at k (no prompt step or catch-up since, StepCosts.interrupt): a
-        # probe waits for SIDE samples of one.
-        if costs.one_k_run(batch, k) < (SIDE if past else due) or costs.clean_run(batch, k) < SIDE \
-                or now - self._probed_down_at.get(bucket, -due) < due:
+        # With clean_probes its before side is the bucket's clean run at k (no prompt step or catch-up since,
+        # StepCosts.interrupt): a probe waits for SIDE samples of one.
+        if costs.one_k_run(batch, k) < (SIDE if past else due) or now - self._probed_down_at.get(bucket, -due) < due \
+                or costs.clean_probes and costs.clean_run(batch, k) < SIDE:
             return k
         self._probed_down_at[bucket] = now
         moot = past and priced is not None and self.config.skip_moot_probes
